@@ -1,0 +1,93 @@
+"""Model configuration: one frozen dataclass per concern, small and nested."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxrl_post.errors import UserError
+
+# Activation-checkpointing policies for the scanned layer (see transformer.remat_policy).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "factors")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling.
+
+  `kind` is "none", "linear", "llama3", or "factors": per-frequency divisors given
+  explicitly, as GGUF files store Llama 3 scaling (the rope_freqs tensor).
+  """
+
+  kind: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+  factors: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2).
+
+  Attributes mirror Hugging Face's config.json names where one exists, so a reader can
+  check a preset against the model card.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False  # Qwen2, and Llama with attention_bias.
+  o_bias: bool = False  # Llama with attention_bias.
+  sliding_window: Optional[int] = None  # Mistral v0.1.
+  max_position_embeddings: int = 4096
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  remat: str = "none"
+
+  def __post_init__(self):
+    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise UserError(f"model config: {name} must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise UserError(f"model config: num_heads={self.num_heads} is not a multiple of "
+                      f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise UserError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+    if self.remat not in REMAT_POLICIES:
+      raise UserError(f"model config: remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.rope_scaling.kind not in ROPE_SCALING_TYPES:
+      raise UserError(f"model config: rope_scaling kind {self.rope_scaling.kind!r} is not "
+                      f"supported (supported: {ROPE_SCALING_TYPES})")
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"model config: {name}={getattr(self, name)!r} is not a float dtype")
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings counted once when tied)."""
+    d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.qkv_bias:
+      attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+    if self.o_bias:
+      attn += d
+    layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_word_embeddings else d * self.vocab_size
+    return self.num_layers * layer + self.vocab_size * d + d + head
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,144 @@
+"""Loading Hugging Face model directories (config.json + safetensors, single or sharded)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import ModelConfig, RopeScaling
+from jaxrl_post.models.transformer import Transformer
+from jaxrl_post.models.weights import model_from_tensors
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def read_json(path: str) -> dict[str, Any]:
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: file not found")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope(c: dict[str, Any], path: str) -> tuple[float, RopeScaling]:
+  # transformers >= 5 nests theta and scaling in rope_parameters; older files use
+  # rope_theta + rope_scaling with "type" or "rope_type".
+  params = c.get("rope_parameters") or {}
+  scaling = c.get("rope_scaling") or params
+  theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+  kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+  if kind == "default":
+    return theta, RopeScaling()
+  if kind == "linear":
+    return theta, RopeScaling("linear", factor=float(scaling["factor"]))
+  if kind == "llama3":
+    return theta, RopeScaling(
+        "llama3", factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+  raise UserError(f"{path}: rope scaling type {kind!r} is not supported "
+                  "(supported: default, linear, llama3)")
+
+
+def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
+  """ModelConfig from a parsed config.json; `path` names the file in errors."""
+  model_type = c.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise UserError(f"{path}: model_type {model_type!r} is not supported "
+                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+  if c.get("hidden_act", "silu") != "silu":
+    raise UserError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
+  if c.get("mlp_bias"):
+    raise UserError(f"{path}: mlp_bias=true is not supported")
+  try:
+    heads = int(c["num_attention_heads"])
+    theta, scaling = _rope(c, path)
+    window = c.get("sliding_window")
+    if model_type == "qwen2" and not c.get("use_sliding_window", False):
+      window = None
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=int(c["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=bias or model_type == "qwen2", o_bias=bias,
+        sliding_window=int(window) if window else None,
+        max_position_embeddings=int(c.get("max_position_embeddings", 4096)), **overrides)
+  except KeyError as e:
+    raise UserError(f"{path}: missing field {e.args[0]!r}") from None
+  except (TypeError, ValueError) as e:
+    raise UserError(f"{path}: invalid value ({e})") from None
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+  """Maps tensor name -> safetensors file, from the index when the weights are sharded."""
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise UserError(f"{index}: missing field 'weight_map'")
+    return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+  single = os.path.join(model_dir, "model.safetensors")
+  if not os.path.isfile(single):
+    raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+  with _open_safetensors(single) as f:
+    return {k: single for k in f.keys()}
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: str) -> Iterator[Any]:
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: file not found")
+  try:
+    with safe_open(path, framework="numpy") as f:
+      yield f
+  except (SafetensorError, OSError) as e:
+    raise UserError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+class _SafetensorsReader:
+  """Reads tensors lazily, keeping each shard open once."""
+
+  def __init__(self, model_dir: str):
+    self.files = _weight_files(model_dir)
+    self.model_dir = model_dir
+    self._stack = contextlib.ExitStack()
+    self._open: dict[str, Any] = {}
+
+  def __call__(self, name: str) -> np.ndarray:
+    path = self.files.get(name)
+    if path is None:
+      raise UserError(f"{self.model_dir}: tensor {name} not found in the safetensors weights")
+    if path not in self._open:
+      self._open[path] = self._stack.enter_context(_open_safetensors(path))
+    try:
+      return np.asarray(self._open[path].get_tensor(name), np.float32)
+    except (SafetensorError, OSError, ValueError) as e:
+      raise UserError(f"{path}: cannot read tensor {name}: corrupt or truncated ({e})") from None
+
+  def close(self) -> None:
+    self._stack.close()
+
+
+def load_hf_model(model_dir: str, **overrides) -> Transformer:
+  """Loads a Llama/Qwen2/Mistral checkpoint directory; overrides go to ModelConfig."""
+  cfg_path = os.path.join(model_dir, "config.json")
+  cfg = config_from_hf(read_json(cfg_path), cfg_path, **overrides)
+  reader = _SafetensorsReader(model_dir)
+  try:
+    return model_from_tensors(cfg, reader, model_dir)
+  finally:
+    reader.close()

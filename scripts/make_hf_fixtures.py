@@ -1,0 +1,157 @@
+"""Writes the Hugging Face golden fixtures that tests/models compares against.
+
+Development-only: needs torch (CPU), transformers, accelerate and gguf, which the test
+suite itself does not install (PyPI's torch for Python 3.12 is a multi-GB CUDA build).
+Run it once after changing what the fixtures cover, and commit tests/fixtures/:
+
+  python scripts/make_hf_fixtures.py --gguf PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Outputs:
+  tests/fixtures/hf/tiny_{llama,qwen2,mistral}/   save_pretrained model + tokenizer dirs
+  tests/fixtures/hf/tiny_*/expected.npz          input ids and transformers' f32 logits
+  tests/fixtures/smollm2_gguf_hf.npz             SmolLM2 GGUF: prompt ids, last-position
+                                                 log-softmax, 32-token greedy continuations,
+                                                 tokenizer ids for a string set
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+PLAIN_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there",
+                 "Q: What is 12 + 7?\nA:"]
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "List three prime numbers."]
+TOKENIZER_STRINGS = [
+    "Hello, world!", "The quick brown fox jumps over the lazy dog.",
+    "naïve café résumé — “quotes” and ‘apostrophes’", "日本語のテキストと中文字符",
+    "emoji: 😀🎉👍🏽 and 🇫🇷 flags", "Ünïcödé Ωμέγα Привет мир", "tabs\tand\nnewlines\r\n",
+    "def f(x):\n    return x ** 2  # square", "<|im_start|>user\nhi<|im_end|>",
+    "price: $3.50, 12+7=19, 2024-11-22", "don't won't I'm you're",
+]
+# Whitespace runs before a digit: transformers' GGUF converter has no rule for the `smollm`
+# pre-tokenizer and falls back to the GPT-2 regex; SmolLM2 (and llama.cpp) isolate digits.
+DIGIT_WHITESPACE_STRINGS = ["a  1", "x   42 y", "\n\n3"]
+
+
+def tiny_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  corpus = (TOKENIZER_STRINGS + PLAIN_PROMPTS + CHAT_PROMPTS) * 20
+  tok.train_from_iterator(corpus, trainer)
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                              eos_token="</s>", chat_template=CHAT_TEMPLATE)
+
+
+def tiny_configs(vocab: int) -> dict:
+  common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+  return {
+      "tiny_llama": transformers.LlamaConfig(
+          **common, rope_theta=500000.0, tie_word_embeddings=False,
+          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+      "tiny_qwen2": transformers.Qwen2Config(**common, rope_theta=1000000.0,
+                                             tie_word_embeddings=True),
+      "tiny_mistral": transformers.MistralConfig(**common, rope_theta=10000.0,
+                                                 sliding_window=8, tie_word_embeddings=False),
+  }
+
+
+def write_tiny_models() -> None:
+  tok = tiny_tokenizer(320)
+  vocab = len(tok)
+  rng = np.random.default_rng(0)
+  for i, (name, cfg) in enumerate(tiny_configs(vocab).items()):
+    torch.manual_seed(i)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise them too.
+      for pname, p in model.named_parameters():
+        if "norm" in pname or "bias" in pname:
+          p.add_(0.1 * torch.randn_like(p))
+    out = FIXTURES / "hf" / name
+    shard = "60KB" if name == "tiny_qwen2" else "50MB"  # qwen2 exercises the sharded index
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
+    tok.save_pretrained(out)
+    ids = rng.integers(0, vocab, size=(2, 20))
+    with torch.no_grad():
+      logits = model(torch.tensor(ids)).logits.float().numpy()
+    token_ids = [tok.encode(s) for s in TOKENIZER_STRINGS]
+    np.savez_compressed(out / "expected.npz", input_ids=ids, logits=logits,
+                        token_ids=np.array(json.dumps(token_ids)))
+    print(name, "written", logits.shape)
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+  seq = list(ids)
+  with torch.no_grad():
+    for _ in range(steps):
+      logits = model(torch.tensor([seq])).logits[0, -1]
+      seq.append(int(torch.argmax(logits)))
+  return seq[len(ids):]
+
+
+def write_smollm2(gguf_path: str) -> None:
+  d, f = os.path.split(os.path.abspath(gguf_path))
+  tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+  model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
+                                                            torch_dtype=torch.float32)
+  model.eval()
+  prompts, chat_flags = [], []
+  for p in PLAIN_PROMPTS:
+    prompts.append(tok.encode(p, add_special_tokens=True)), chat_flags.append(False)
+  chat_texts = []
+  for p in CHAT_PROMPTS:
+    msgs = [{"role": "user", "content": p}]
+    chat_texts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    prompts.append(tok(chat_texts[-1], add_special_tokens=False)["input_ids"])
+    chat_flags.append(True)
+  logsm, conts = [], []
+  with torch.no_grad():
+    for ids in prompts:
+      logits = model(torch.tensor([ids])).logits[0, -1].float()
+      logsm.append(torch.log_softmax(logits, -1).numpy())
+      conts.append(greedy(model, ids, 32))
+  strings = TOKENIZER_STRINGS + DIGIT_WHITESPACE_STRINGS
+  np.savez_compressed(
+      FIXTURES / "smollm2_gguf_hf.npz",
+      texts=np.array(json.dumps(PLAIN_PROMPTS + CHAT_PROMPTS)),
+      chat=np.array(chat_flags), chat_rendered=np.array(json.dumps(chat_texts)),
+      prompt_ids=np.array(json.dumps(prompts)), last_log_softmax=np.stack(logsm),
+      greedy=np.array(conts), strings=np.array(json.dumps(strings)),
+      string_ids=np.array(json.dumps([tok.encode(s, add_special_tokens=False)
+                                      for s in strings])),
+      versions=np.array(json.dumps({"transformers": transformers.__version__,
+                                    "torch": torch.__version__})))
+  print("smollm2 written;", [tok.decode(c) for c in conts])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file")
+  args = parser.parse_args()
+  write_tiny_models()
+  write_smollm2(args.gguf)
+
+
+if __name__ == "__main__":
+  main()
