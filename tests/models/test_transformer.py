@@ -1,0 +1,145 @@
+"""The transformer's own invariants: axes, shapes, packing, caching, remat, dtypes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import ModelConfig, KVCache, RopeScaling, abstract_model, init_model, preset
+from jaxrl_post.models import layers as L
+from jaxrl_post.models.transformer import LOGICAL_AXES, logical_axes, param_count, \
+    positions_from_segments
+
+TOL = 1e-5  # float32 equivalences below are exact maths, reordered.
+
+
+def tiny(**kw) -> ModelConfig:
+  base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=8, compute_dtype="float32", max_position_embeddings=64)
+  return ModelConfig(**{**base, **kw})
+
+
+def test_every_parameter_names_its_logical_axes():
+  model = init_model(tiny(qkv_bias=True, o_bias=True))
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  axes = dict(nnx.to_flat_state(logical_axes(model)))
+  for path, var in flat:
+    names = axes[path]
+    assert len(names) == var.get_value().ndim, path
+    assert set(names) <= set(LOGICAL_AXES), (path, names)
+    if path[0] == "layers":
+      assert names[0] == "layers" and var.get_value().shape[0] == 2
+
+
+@pytest.mark.parametrize("name,expected", [("smollm2-135m", 134_515_008),
+                                           ("llama3-8b", 8_030_261_248),
+                                           ("qwen2.5-0.5b", 494_032_768)])
+def test_full_size_presets_by_shape_only(name, expected):
+  cfg = preset(name)
+  model = abstract_model(cfg)  # eval_shape: no memory is allocated.
+  assert param_count(model) == cfg.num_params == expected
+
+
+def test_layers_are_scanned_so_the_program_does_not_grow_with_depth():
+  def n_eqns(layers):
+    model = init_model(tiny(num_layers=layers))
+    graphdef, state = nnx.split(model)
+    tok = jnp.zeros((1, 8), jnp.int32)
+    fn = lambda s: nnx.merge(graphdef, s)(tok, jnp.arange(8)[None])
+    return len(jax.make_jaxpr(fn)(state).jaxpr.eqns)
+
+  assert n_eqns(2) == n_eqns(12)
+
+
+def test_packed_rows_equal_separate_sequences():
+  model = init_model(tiny(), seed=1)
+  rng = np.random.default_rng(0)
+  a, b = rng.integers(0, 97, 5), rng.integers(0, 97, 7)
+  row = np.concatenate([a, b, [0, 0]])[None]
+  seg = np.array([[1] * 5 + [2] * 7 + [0, 0]])
+  pos = positions_from_segments(jnp.asarray(seg))
+  np.testing.assert_array_equal(pos[0, :12], list(range(5)) + list(range(7)))
+  packed = model(jnp.asarray(row), pos, jnp.asarray(seg))
+  for seq, start in ((a, 0), (b, 5)):
+    alone = model(jnp.asarray(seq)[None], jnp.arange(len(seq))[None])
+    np.testing.assert_allclose(packed[0, start:start + len(seq)], alone[0], atol=TOL)
+
+
+def test_sliding_window_limits_attention():
+  cfg = tiny(sliding_window=3)
+  model = init_model(cfg, seed=2)
+  tok = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 10)))
+  pos = jnp.arange(10)[None]
+  full = model(tok, pos)
+  # Changing a token more than `window` positions back must not change the last output.
+  changed = model(tok.at[0, 2].set((tok[0, 2] + 1) % 97), pos)
+  np.testing.assert_allclose(full[0, -1], changed[0, -1], atol=TOL)
+  assert not np.allclose(full[0, 3], changed[0, 3], atol=TOL)
+
+
+def test_cached_prefill_and_decode_equal_the_full_forward():
+  model = init_model(tiny(qkv_bias=True), seed=3)
+  tok = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 9)))
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  full = model(tok, pos)
+  cache = KVCache.zeros(model.config, 2, 16)
+  h, cache = model.forward_cached(tok[:, :6], pos[:, :6], cache, jnp.zeros(2, jnp.int32))
+  steps = [h]
+  for t in range(6, 9):
+    h, cache = model.forward_cached(tok[:, t:t + 1], pos[:, t:t + 1], cache,
+                                    jnp.full((2,), t, jnp.int32))
+    steps.append(h)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=TOL)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_change_memory_not_maths(policy):
+  tok = jnp.asarray(np.random.default_rng(3).integers(0, 97, (2, 8)))
+  pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+
+  def loss_and_grad(remat):
+    model = init_model(tiny(remat=remat), seed=4)
+    graphdef, state = nnx.split(model)
+
+    def loss(s):
+      m = nnx.merge(graphdef, s)
+      return jnp.mean(m.logits(m(tok, pos)) ** 2)
+
+    return jax.value_and_grad(loss)(state)
+
+  (l0, g0), (l1, g1) = loss_and_grad("none"), loss_and_grad(policy)
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g0, g1)
+
+
+def test_bf16_compute_with_f32_params_tracks_f32():
+  tok = jnp.asarray(np.random.default_rng(4).integers(0, 97, (1, 12)))
+  pos = jnp.arange(12)[None]
+  m32 = init_model(tiny(), seed=5)
+  m16 = init_model(tiny(compute_dtype="bfloat16"), seed=5)
+  assert m16.embed[...].dtype == jnp.float32
+  h16 = m16(tok, pos)
+  assert h16.dtype == jnp.bfloat16
+  p32 = jax.nn.softmax(m32.logits(m32(tok, pos)))
+  p16 = jax.nn.softmax(m16.logits(h16))
+  np.testing.assert_allclose(p16, p32, atol=2e-2)
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones():
+  cfg = tiny(head_dim=64, rope_theta=500000.0,
+             rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64))
+  base = L.rope_inv_freq(tiny(head_dim=64, rope_theta=500000.0))
+  scaled = L.rope_inv_freq(cfg)
+  wavelen = 2 * np.pi / base
+  np.testing.assert_allclose(scaled[wavelen < 64 / 4], base[wavelen < 64 / 4])
+  np.testing.assert_allclose(scaled[wavelen > 64], base[wavelen > 64] / 8.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("head_dim", 7),
+                                         ("remat", "sometimes"), ("hidden_size", 0),
+                                         ("compute_dtype", "int8")])
+def test_invalid_configs_name_the_field(field, value):
+  with pytest.raises(UserError, match=field):
+    tiny(**{field: value})
