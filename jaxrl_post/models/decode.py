@@ -19,7 +19,13 @@ from flax import nnx
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.transformer import KVCache, Transformer
 
-_CACHE_BUCKET = 64  # Cache lengths are rounded up so nearby prompt sizes share a compile.
+# Prompt and cache lengths are rounded up so nearby prompt sizes share one compile.
+_PROMPT_BUCKET = 16
+_CACHE_BUCKET = 64
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +103,12 @@ def generate_dense(model: Transformer, prompts: Sequence[Sequence[int]], *, max_
       raise UserError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} "
                       f"it exceeds the model's context of {context} tokens")
   lengths = np.array([len(p) for p in prompts], np.int32)
-  padded = np.zeros((len(prompts), int(lengths.max())), np.int32)
+  padded = np.zeros((len(prompts), _round_up(int(lengths.max()), _PROMPT_BUCKET)), np.int32)
   for i, ids in enumerate(prompts):
     padded[i, :len(ids)] = ids
-  need = padded.shape[1] + max_new_tokens
-  cache_len = min(-(-need // _CACHE_BUCKET) * _CACHE_BUCKET, max(context, need))
+  # Slot == position: prefill fills slots [0, padded), decoding up to max length + N.
+  need = max(padded.shape[1], int(lengths.max()) + max_new_tokens)
+  cache_len = _round_up(need, _CACHE_BUCKET)
   stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   out, lps, n, done = jax.device_get(_generate(
       model, jnp.asarray(padded), jnp.asarray(lengths), stops, jax.random.key(seed),

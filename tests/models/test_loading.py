@@ -201,3 +201,26 @@ def test_prompt_longer_than_context():
   context = model.config.max_position_embeddings
   one_line_error(lambda: generate_dense(model, [[5] * (context - 3)], max_new_tokens=8),
                  f"{context - 3} tokens", f"context of {context}")
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+  d = copy_llama(tmp_path)
+  os.remove(d / "chat_template.jinja")
+  cfg = json.loads((d / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = [{"name": "default", "template": "{{ bos_token }}{% for m in messages %}"
+                           "[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"},
+                          {"name": "tool_use", "template": "unused"}]
+  (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+  _, tok = models.load(str(d))
+  assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
+
+
+def test_chat_template_errors_are_one_line(tmp_path):
+  d = copy_llama(tmp_path)
+  (d / "chat_template.jinja").write_text("{{ raise_exception('only user turns') }}")
+  _, tok = models.load(str(d))
+  one_line_error(lambda: tok.encode_chat([{"role": "user", "content": "hi"}]),
+                 "chat template", "only user turns")
+  (d / "chat_template.jinja").write_text("{% for %}")
+  _, tok = models.load(str(d))
+  one_line_error(lambda: tok.encode_chat([{"role": "user", "content": "hi"}]), "chat template")
