@@ -28,6 +28,29 @@ class RopeScaling:
   factors: tuple[float, ...] = ()
 
 
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters W + (alpha / rank) * A @ B on the named layer matrices."""
+
+  rank: int = 8
+  alpha: float = 16.0
+  targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+
+  def __post_init__(self):
+    if not isinstance(self.rank, int) or self.rank <= 0:
+      raise UserError(f"lora config: rank must be a positive integer, got {self.rank!r}")
+    unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+    if unknown or not self.targets:
+      raise UserError(f"lora config: targets {unknown or '()'} not in {LORA_TARGETS}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2).
@@ -54,6 +77,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "bfloat16"
   remat: str = "none"
+  lora: Optional[LoraConfig] = None
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

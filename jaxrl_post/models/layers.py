@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, RoPE, masked GQA attention, SwiGLU.
+"""Building blocks of the decoder: RMSNorm, RoPE and masked GQA attention.
 
 Pure functions on arrays. The attention here is the plain-jnp path used for the forward
 and the dense-cache decoder; Pallas kernels in jaxrl_post.kernels replace it per backend
@@ -101,8 +101,3 @@ def cache_mask(positions, cache_len: int, sliding_window=None):  # [B, T] -> [B,
     mask &= (positions[:, :, None] - slots) < sliding_window
   return mask
 
-
-def swiglu(x, w_gate, w_up, w_down):  # [B, T, D] -> [B, T, D]
-  gate = jnp.einsum("btd,df->btf", x, w_gate)
-  up = jnp.einsum("btd,df->btf", x, w_up)
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

@@ -20,7 +20,9 @@ from flax import nnx
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.config import ModelConfig
 
-LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim")
+LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "lora_rank")
+# How many leading (input) dims each layer matrix contracts; the rest are outputs.
+_INPUT_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -53,11 +55,23 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
   return shapes
 
 
+def lora_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """LoRA A [in..., r] and B [r, out...] per target (without the leading layers axis)."""
+  if cfg.lora is None:
+    return {}
+  base, r = layer_param_shapes(cfg), cfg.lora.rank
+  shapes = {}
+  for name in cfg.lora.targets:
+    (shape, axes), n = base[name], _INPUT_DIMS[name]
+    shapes[f"{name}_lora_a"] = ((*shape[:n], r), (*axes[:n], "lora_rank"))
+    shapes[f"{name}_lora_b"] = ((r, *shape[n:]), ("lora_rank", *axes[n:]))
+  return shapes
+
+
 def _init_value(name, shape, key, dtype):
-  if name.endswith("norm"):
-    return jnp.ones(shape, dtype)
-  if name.startswith("b"):
-    return jnp.zeros(shape, dtype)
+  if name.endswith("norm") or name.startswith("b") or name.endswith("lora_b"):
+    # Norms start at one; biases and LoRA B at zero (so an adapter starts as a no-op).
+    return (jnp.ones if name.endswith("norm") else jnp.zeros)(shape, dtype)
   return 0.02 * jax.random.normal(key, shape, dtype)
 
 
@@ -66,10 +80,12 @@ class DecoderLayers(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
-    self.names = tuple(layer_param_shapes(cfg))
-    for name, (shape, axes) in layer_param_shapes(cfg).items():
+    base, lora = layer_param_shapes(cfg), lora_param_shapes(cfg)
+    self.names = tuple(base) + tuple(lora)
+    for name, (shape, axes) in {**base, **lora}.items():
       value = _init_value(name, (cfg.num_layers, *shape), rngs.params(), dtype)
-      setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
+      kind = nnx.LoRAParam if name in lora else nnx.Param
+      setattr(self, name, kind(value, logical_axes=("layers", *axes)))
 
   def stacked(self) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in self.names}
@@ -162,12 +178,21 @@ def _maybe_remat(fn, policy: str):
   return jax.checkpoint(fn, policy=_REMAT[policy], prevent_cse=False)
 
 
+def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
+  """x @ p[name] over its input dims, plus the LoRA delta when the layer has one."""
+  n = _INPUT_DIMS[name]
+  y = jnp.tensordot(x, p[name].astype(x.dtype), axes=n)
+  if f"{name}_lora_a" in p:
+    xa = jnp.tensordot(x, p[f"{name}_lora_a"].astype(x.dtype), axes=n)  # [B, T, r]
+    delta = jnp.tensordot(xa, p[f"{name}_lora_b"].astype(x.dtype), axes=1)
+    y = y + (cfg.lora.scale * delta).astype(y.dtype)
+  return y
+
+
 def _qkv(cfg: ModelConfig, x, p, positions):
   dt = x.dtype
   h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
-  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
-  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  q, k, v = (_dense(cfg, h, p, name) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   inv_freq = jnp.asarray(L.rope_inv_freq(cfg))
@@ -176,12 +201,13 @@ def _qkv(cfg: ModelConfig, x, p, positions):
 
 def _finish(cfg: ModelConfig, x, p, attn):
   dt = x.dtype
-  out = jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
+  out = _dense(cfg, attn, p, "wo")
   if cfg.o_bias:
     out = out + p["bo"].astype(dt)
   x = x + out
   h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-  return x + L.swiglu(h, p["w_gate"].astype(dt), p["w_up"].astype(dt), p["w_down"].astype(dt))
+  gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
+  return x + _dense(cfg, jax.nn.silu(gate) * up, p, "w_down")
 
 
 def _layer(cfg: ModelConfig, x, p, positions, mask):  # [B, T, D] -> [B, T, D]
@@ -199,6 +225,15 @@ def _layer_cached(cfg: ModelConfig, x, p, positions, mask, ck, cv, start):
   ck, cv = _write(ck, k, start), _write(cv, v, start)
   attn = L.attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
   return _finish(cfg, x, p, attn), ck, cv
+
+
+def init_lora(model: Transformer, seed: int = 0) -> None:
+  """(Re)initialises the LoRA adapters in place: A random, B zero, so W is unchanged."""
+  cfg = model.config
+  for i, (name, (shape, _)) in enumerate(lora_param_shapes(cfg).items()):
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    value = _init_value(name, (cfg.num_layers, *shape), key, jnp.dtype(cfg.param_dtype))
+    getattr(model.layers, name).set_value(value)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

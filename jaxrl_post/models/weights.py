@@ -15,7 +15,8 @@ from flax import nnx
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.models.transformer import Transformer, abstract_model, layer_param_shapes
+from jaxrl_post.models.transformer import Transformer, abstract_model, init_lora, \
+    layer_param_shapes
 
 GetTensor = Callable[[str], np.ndarray]
 
@@ -79,6 +80,7 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
   if not cfg.tie_word_embeddings:  # HF stores [V, D]; ours is [D, V].
     model.lm_head.set_value(jnp.asarray(_fetch(get, "lm_head.weight", (v, d), (d, v), source),
                                         dtype))
+  init_lora(model)  # Adapters are new: the checkpoint holds the base weights.
   _assert_concrete(model, source)
   return model
 

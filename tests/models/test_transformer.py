@@ -143,3 +143,31 @@ def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones():
 def test_invalid_configs_name_the_field(field, value):
   with pytest.raises(UserError, match=field):
     tiny(**{field: value})
+
+
+def test_lora_starts_as_a_no_op_and_equals_merged_weights():
+  from jaxrl_post.models.config import LoraConfig
+  lora = LoraConfig(rank=4, alpha=8.0, targets=("wq", "wo", "w_down"))
+  base = init_model(tiny(), seed=6)
+  adapted = init_model(tiny(lora=lora), seed=6)
+  for name in ("embed", "final_norm"):
+    getattr(adapted, name).set_value(getattr(base, name)[...])
+  for name in base.layers.names:
+    getattr(adapted.layers, name).set_value(getattr(base.layers, name)[...])
+  tok = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 7)))
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  np.testing.assert_allclose(adapted(tok, pos), base(tok, pos), atol=TOL)  # B == 0.
+
+  rng = np.random.default_rng(6)
+  for name in lora.targets:
+    b = getattr(adapted.layers, f"{name}_lora_b")
+    b.set_value(jnp.asarray(rng.normal(0, 0.1, b[...].shape), jnp.float32))
+    a = getattr(adapted.layers, f"{name}_lora_a")[...]
+    delta = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(a, b[...])
+    w = getattr(base.layers, name)
+    w.set_value(w[...] + lora.scale * delta.reshape(w[...].shape))
+  np.testing.assert_allclose(adapted(tok, pos), base(tok, pos), atol=1e-4)
+  lora_leaves = jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam))
+  assert len(lora_leaves) == 2 * len(lora.targets)
+  axes = jax.tree.leaves(logical_axes(adapted), is_leaf=lambda x: isinstance(x, tuple))
+  assert sum("lora_rank" in a for a in axes) == 2 * len(lora.targets)
