@@ -245,10 +245,23 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
   return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
-def logical_axes(model: Transformer):
-  """A pytree matching nnx.state(model) with each parameter's logical axis names."""
-  return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], nnx.state(model, nnx.Param),
+def logical_axes(model: Transformer, kind=nnx.Param) -> dict:
+  """Nested dict matching `params_of(model, kind)`, each leaf a tuple of axis names."""
+  axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], nnx.state(model, kind),
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(axes)
+
+
+def params_of(model: Transformer, kind=nnx.Param) -> dict:
+  """The model's parameters (or those of `kind`, e.g. nnx.LoRAParam) as a nested dict."""
+  return nnx.to_pure_dict(nnx.state(model, kind))
+
+
+def with_params(model: Transformer, params: dict) -> Transformer:
+  """A model with the same structure whose parameters are `params` (works under jit)."""
+  graphdef, state = nnx.split(model)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
 
 
 def param_count(model: Transformer) -> int:

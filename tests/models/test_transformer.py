@@ -23,14 +23,17 @@ def tiny(**kw) -> ModelConfig:
 
 def test_every_parameter_names_its_logical_axes():
   model = init_model(tiny(qkv_bias=True, o_bias=True))
-  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-  axes = dict(nnx.to_flat_state(logical_axes(model)))
-  for path, var in flat:
-    names = axes[path]
-    assert len(names) == var.get_value().ndim, path
-    assert set(names) <= set(LOGICAL_AXES), (path, names)
-    if path[0] == "layers":
-      assert names[0] == "layers" and var.get_value().shape[0] == 2
+  axes = logical_axes(model)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  is_axes = lambda x: isinstance(x, tuple)
+  flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
+  flat_params = jax.tree.leaves(params)
+  assert len(flat_axes) == len(flat_params) == 16  # 3 global + 13 per-layer (with biases)
+  for names, x in zip(flat_axes, flat_params):
+    assert len(names) == x.ndim
+    assert set(names) <= set(LOGICAL_AXES), names
+  for names in jax.tree.leaves(axes["layers"], is_leaf=is_axes):
+    assert names[0] == "layers"
 
 
 @pytest.mark.parametrize("name,expected", [("smollm2-135m", 134_515_008),

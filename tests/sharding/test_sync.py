@@ -1,0 +1,114 @@
+"""Weight sync: values, versions, donation, placement, LoRA, no host transfer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_post.models import LoraConfig, abstract_model
+from jaxrl_post.models.transformer import logical_axes, params_of
+from jaxrl_post.sharding import (MeshConfig, PlacementConfig, SyncConfig, WeightSync,
+                                 build_meshes)
+from tests.sharding.helpers import CFG, batch, logits_fn, sharded_init
+
+PLACEMENTS = {
+    "colocated": PlacementConfig(trainer_mesh=MeshConfig(fsdp=4, tensor=2),
+                                 rollout_mesh=MeshConfig(data=4, fsdp=1, tensor=2)),
+    "split": PlacementConfig(mode="split", trainer_devices=4,
+                             trainer_mesh=MeshConfig(fsdp=2, tensor=2),
+                             rollout_mesh=MeshConfig(data=2, fsdp=1, tensor=2)),
+}
+HOST_OPS = ("outfeed", "infeed", "is_host_transfer=true", "callback", "host-memory")
+
+
+def make_sync(placement, cfg=CFG, kind=nnx.Param, every=1):
+  meshes = build_meshes(PLACEMENTS[placement])
+  abstract = abstract_model(cfg)
+  sync = WeightSync(meshes, logical_axes(abstract, kind), params_of(abstract, kind),
+                    SyncConfig(every_n_steps=every))
+  return meshes, sync
+
+
+def no_host_transfers():
+  """Host<->device transfers raise, explicit or not; device-to-device stays allowed."""
+  return _Guards()
+
+
+class _Guards:
+  def __enter__(self):
+    self._ctx = [jax.transfer_guard_host_to_device("disallow_explicit"),
+                 jax.transfer_guard_device_to_host("disallow_explicit")]
+    for c in self._ctx:
+      c.__enter__()
+
+  def __exit__(self, *exc):
+    for c in reversed(self._ctx):
+      c.__exit__(*exc)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_sync_preserves_values_up_to_the_cast_and_bumps_the_version(placement):
+  meshes, sync = make_sync(placement)
+  train = sharded_init(CFG, meshes.trainer, seed=1)
+  rollout = sync.initial(train)
+  with no_host_transfers():
+    new = sync(train, rollout)
+  assert (rollout.version, new.version) == (0, 1)
+  rollout_devices = set(meshes.rollout.devices.flat)
+  for t, r, s in zip(jax.tree.leaves(train), jax.tree.leaves(new.params),
+                     jax.tree.leaves(sync.rollout_shardings)):
+    assert r.dtype == jnp.bfloat16 and r.sharding == s
+    assert set(r.sharding.device_set) == rollout_devices
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(t.astype(jnp.bfloat16)))
+  assert all(x.is_deleted() for x in jax.tree.leaves(rollout.params))  # recycled / freed
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_rollout_logits_identical_after_syncing_unchanged_weights(placement):
+  meshes, sync = make_sync(placement)
+  train = sharded_init(CFG, meshes.trainer, seed=2)
+  weights = sync.initial(train)
+  logits = logits_fn(CFG.replace(compute_dtype="bfloat16"))
+  tokens, positions = batch()
+  before = np.asarray(logits(weights.params, tokens, positions))
+  weights = sync(train, weights)
+  weights = sync(train, weights)
+  after = np.asarray(logits(weights.params, tokens, positions))
+  np.testing.assert_array_equal(before, after)
+  assert weights.version == 2
+
+
+def test_colocated_sync_is_one_program_with_collectives_and_no_host_traffic():
+  meshes, sync = make_sync("colocated")
+  train = sharded_init(CFG, meshes.trainer)
+  rollout = sync.initial(train)
+  hlo = sync.compiled_text(train, rollout.params)
+  assert "all-gather" in hlo or "all-to-all" in hlo or "collective-permute" in hlo
+  for op in HOST_OPS:
+    assert op not in hlo, op
+  # Donation: the old rollout buffers are aliased to the outputs.
+  assert "input_output_alias" in hlo or "may-alias" in hlo or "must-alias" in hlo
+
+
+def test_lora_sync_moves_only_the_adapters():
+  cfg = CFG.replace(lora=LoraConfig(rank=4, targets=("wq", "wv", "w_up")))
+  meshes, full = make_sync("colocated", cfg)
+  _, adapters = make_sync("colocated", cfg, kind=nnx.LoRAParam)
+  assert len(jax.tree.leaves(adapters.rollout_shardings)) == 6
+  assert 0 < adapters.bytes_per_sync < 0.2 * full.bytes_per_sync
+  lora_train = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32),
+                            params_of(abstract_model(cfg), nnx.LoRAParam))
+  lora_train = jax.device_put(lora_train, adapters.train_shardings)
+  weights = adapters.initial(lora_train)
+  with no_host_transfers():
+    weights = adapters(lora_train, weights)
+  assert weights.version == 1
+  assert all(bool(jnp.all(x == 1)) for x in jax.tree.leaves(weights.params))
+
+
+def test_bytes_and_schedule():
+  _, sync = make_sync("colocated", every=3)
+  n = sum(x.size for x in jax.tree.leaves(params_of(abstract_model(CFG))))
+  assert sync.bytes_per_sync == 2 * n  # bf16
+  assert [s for s in range(1, 10) if sync.due(s)] == [3, 6, 9]
