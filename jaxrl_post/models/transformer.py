@@ -125,7 +125,7 @@ class Transformer(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
     mask = L.packed_mask(segment_ids, positions, cfg.sliding_window)
-    x = self._embed(tokens)
+    x = self.embed_tokens(tokens)
 
     def body(x, p):
       return _layer(cfg, x, p, positions, mask), None
@@ -148,7 +148,7 @@ class Transformer(nnx.Module):
     """
     cfg = self.config
     mask = L.cache_mask(positions, cache.k.shape[2], cfg.sliding_window)
-    x = self._embed(tokens)
+    x = self.embed_tokens(tokens)
 
     def body(x, layer):
       p, ck, cv = layer
@@ -168,7 +168,7 @@ class Transformer(nnx.Module):
     w = self.lm_head_weight().astype(hidden.dtype)
     return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
 
-  def _embed(self, tokens):
+  def embed_tokens(self, tokens):  # [B, T] -> [B, T, D] in the compute dtype
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
 
 
@@ -189,7 +189,8 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
   return y
 
 
-def _qkv(cfg: ModelConfig, x, p, positions):
+def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T, H, hd]
+  """Pre-norm, Q/K/V projections (with biases and LoRA) and RoPE for one layer `p`."""
   dt = x.dtype
   h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = (_dense(cfg, h, p, name) for name in ("wq", "wk", "wv"))
@@ -199,7 +200,8 @@ def _qkv(cfg: ModelConfig, x, p, positions):
   return L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq), v
 
 
-def _finish(cfg: ModelConfig, x, p, attn):
+def post_attention(cfg: ModelConfig, x, p, attn):  # [B, T, D], [B, T, Hq, hd] -> [B, T, D]
+  """Output projection + residual, then the SwiGLU MLP block + residual."""
   dt = x.dtype
   out = _dense(cfg, attn, p, "wo")
   if cfg.o_bias:
@@ -211,8 +213,8 @@ def _finish(cfg: ModelConfig, x, p, attn):
 
 
 def _layer(cfg: ModelConfig, x, p, positions, mask):  # [B, T, D] -> [B, T, D]
-  q, k, v = _qkv(cfg, x, p, positions)
-  return _finish(cfg, x, p, L.attention(q, k, v, mask))
+  q, k, v = qkv_projection(cfg, x, p, positions)
+  return post_attention(cfg, x, p, L.attention(q, k, v, mask))
 
 
 def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]
@@ -221,10 +223,10 @@ def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]
 
 
 def _layer_cached(cfg: ModelConfig, x, p, positions, mask, ck, cv, start):
-  q, k, v = _qkv(cfg, x, p, positions)
+  q, k, v = qkv_projection(cfg, x, p, positions)
   ck, cv = _write(ck, k, start), _write(cv, v, start)
   attn = L.attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
-  return _finish(cfg, x, p, attn), ck, cv
+  return post_attention(cfg, x, p, attn), ck, cv
 
 
 def init_lora(model: Transformer, seed: int = 0) -> None:
