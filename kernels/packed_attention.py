@@ -1,0 +1,401 @@
+"""Packed causal attention (prefill and training) with segment ids and gradients.
+
+Many sequences share one row of T tokens; ``segment_ids`` [B, T] names the sequence of each
+token and 0 marks padding. Query t attends to key s iff ``s <= t``, both are in the same
+segment, and that segment is not padding. Padding queries attend to nothing: their output
+(and gradient) is defined as 0, so padded rows never leak into a loss.
+
+Backend choice (documented because it is the interesting decision):
+
+* GPU: a Pallas (Triton) flash-attention forward that also returns the log-sum-exp, and a
+  Pallas backward in the FlashAttention-2 form (one kernel for dK/dV looping over query
+  blocks, one for dQ looping over key blocks), both recomputing probabilities from the
+  saved log-sum-exp instead of storing [T, T] scores. Every (query block, key block) pair
+  is first tested for a causal and a segment overlap, so a row of many short sequences
+  costs about the sum of their squared lengths, not T^2. ``jax.nn.dot_product_attention``
+  was not used: its cuDNN path has no segment ids (packing would need a dense [B, T, T]
+  mask, i.e. the O(T^2) memory this kernel exists to avoid).
+* TPU: splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``), the Pallas
+  TPU kernel maintained with JAX. It already has segment ids, a causal block-sparse mask,
+  GQA and Pallas backward kernels tuned for the MXU; rewriting it would only lose speed.
+* CPU: the GPU kernels in the Pallas interpreter (what the tests exercise); the TPU path
+  also runs in interpret mode when asked for explicitly.
+
+Shapes stay in the model's layout, [B, T, H, D]: the Triton kernels address a head through
+a squeezed block dimension (a stride), so no transposes are needed on GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+BACKENDS = ("triton", "splash")
+_NO_SEGMENT = np.iinfo(np.int32).max
+
+
+def _precision(dtype):
+  """IEEE f32 dots for f32 inputs (Triton would otherwise use TF32)."""
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _dot(a, b, contract):  # 2-D matmul contracting dims `contract`, f32 accumulation
+  return jax.lax.dot_general(a, b, (contract, ((), ())), precision=_precision(a.dtype),
+                             preferred_element_type=jnp.float32)
+
+
+def _segment_range(seg):  # [N] int32 -> (min, max) over non-padding ids
+  """An empty (all-padding) block gives (INT_MAX, 0), which overlaps nothing."""
+  return jnp.where(seg > 0, seg, _NO_SEGMENT).min(), seg.max()
+
+
+def _overlaps(range_a, range_b):
+  return (range_a[0] <= range_b[1]) & (range_b[0] <= range_a[1])
+
+
+def _mask(seg_q, seg_k, q_start, k_start):  # [bq], [bk] -> [bq, bk] bool
+  q_pos = q_start + jnp.arange(seg_q.shape[0], dtype=jnp.int32)
+  k_pos = k_start + jnp.arange(seg_k.shape[0], dtype=jnp.int32)
+  same = (seg_q[:, None] == seg_k[None, :]) & (seg_k != 0)[None, :]
+  return same & (q_pos[:, None] >= k_pos[None, :])
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_scale,
+                block_kv):
+  """One (row, q head, query block): q_ref [bq, D]; k_ref/v_ref [T, D]; segk_ref [T]."""
+  block_q, d = q_ref.shape
+  q_start = pl.program_id(2) * block_q
+  q = q_ref[...]
+  seg_q = segq_ref[...]
+  q_range = _segment_range(seg_q)
+
+  def attend(k_start, carry):
+    m, l, acc = carry
+    seg_k = segk_ref[pl.ds(k_start, block_kv)]
+    k = k_ref[pl.ds(k_start, block_kv), :]
+    v = v_ref[pl.ds(k_start, block_kv), :]
+    mask = _mask(seg_q, seg_k, q_start, k_start)
+    s = jnp.where(mask, _dot(q, k, ((1,), (1,))) * sm_scale, MASK_VALUE)  # [bq, bk]
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+    return m_new, alpha * l + p.sum(axis=-1), acc
+
+  def body(j, carry):
+    k_start = j * block_kv
+    k_range = _segment_range(segk_ref[pl.ds(k_start, block_kv)])
+    return jax.lax.cond(_overlaps(q_range, k_range),
+                        lambda c: attend(k_start, c), lambda c: c, carry)
+
+  init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+          jnp.zeros((block_q, d), jnp.float32))
+  num_kv = pl.cdiv(q_start + block_q, block_kv)  # causal: key blocks up to the diagonal
+  m, l, acc = jax.lax.fori_loop(0, num_kv, body, init)
+  nonempty = l > 0
+  l_safe = jnp.where(nonempty, l, 1.0)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
+
+
+def _fwd_call(q, k, v, seg, sm_scale, cfg, interpret):
+  """q [B, T, Hq, D], k/v [B, T, Hkv, D], seg [B, T] -> o like q, lse [B, Hq, T] f32."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  bq, bk = cfg.block_q, cfg.block_kv
+  kv_spec = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // (hq // hkv), 0))
+  q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, sm_scale=sm_scale, block_kv=bk),
+      grid=(b, hq, t // bq),
+      in_specs=[q_spec, kv_spec, kv_spec,
+                pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
+                pl.BlockSpec((None, t), lambda i, h, j: (i, 0))],
+      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, t), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      interpret=interpret,
+      name="packed_attention_fwd",
+  )(q, k, v, seg, seg)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale):  # -> p [bq, bk] f32
+  s = _dot(q, k, ((1,), (1,))) * sm_scale
+  return jnp.where(_mask(seg_q, seg_k, q_start, k_start), jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
+                dk_ref, dv_ref, *, sm_scale, block_q, group):
+  """One (row, KV head, key block): loops over the group's q heads and later q blocks.
+
+  q_ref/do_ref [T, G, D]; lse_ref/delta_ref [G, T]; k_ref/v_ref [bk, D]; segq_ref [T].
+  """
+  block_kv, d = k_ref.shape
+  t = segq_ref.shape[0]
+  k_start = pl.program_id(2) * block_kv
+  k, v = k_ref[...], v_ref[...]
+  seg_k = segk_ref[...]
+  k_range = _segment_range(seg_k)
+
+  def grads(g, q_start, carry):
+    dk, dv = carry
+    rows = pl.ds(q_start, block_q)
+    q, do = q_ref[rows, g, :], do_ref[rows, g, :]  # [bq, D]
+    seg_q = segq_ref[rows]
+    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse_ref[g, rows], sm_scale)
+    dv = dv + _dot(p.astype(do.dtype), do, ((0,), (0,)))  # [bk, D]
+    dp = _dot(do, v, ((1,), (1,)))  # [bq, bk]
+    ds = p * (dp - delta_ref[g, rows][:, None]) * sm_scale
+    return dk + _dot(ds.astype(q.dtype), q, ((0,), (0,))), dv
+
+  def body(g, i, carry):
+    q_start = i * block_q
+    q_range = _segment_range(segq_ref[pl.ds(q_start, block_q)])
+    return jax.lax.cond(_overlaps(q_range, k_range),
+                        lambda c: grads(g, q_start, c), lambda c: c, carry)
+
+  carry = (jnp.zeros((block_kv, d), jnp.float32), jnp.zeros((block_kv, d), jnp.float32))
+  first = k_start // block_q  # causal: earlier query blocks never see this key block
+  for g in range(group):
+    carry = jax.lax.fori_loop(first, t // block_q, functools.partial(body, g), carry)
+  dk_ref[...] = carry[0].astype(dk_ref.dtype)
+  dv_ref[...] = carry[1].astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
+               dq_ref, *, sm_scale, block_kv):
+  """One (row, q head, query block): q_ref/do_ref [bq, D]; k_ref/v_ref [T, D]."""
+  block_q, d = q_ref.shape
+  q_start = pl.program_id(2) * block_q
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  seg_q = segq_ref[...]
+  q_range = _segment_range(seg_q)
+
+  def grad(k_start, dq):
+    seg_k = segk_ref[pl.ds(k_start, block_kv)]
+    k = k_ref[pl.ds(k_start, block_kv), :]
+    v = v_ref[pl.ds(k_start, block_kv), :]
+    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale)
+    ds = p * (_dot(do, v, ((1,), (1,))) - delta[:, None]) * sm_scale
+    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)))
+
+  def body(j, dq):
+    k_start = j * block_kv
+    k_range = _segment_range(segk_ref[pl.ds(k_start, block_kv)])
+    return jax.lax.cond(_overlaps(q_range, k_range),
+                        lambda c: grad(k_start, c), lambda c: c, dq)
+
+  num_kv = pl.cdiv(q_start + block_q, block_kv)
+  dq = jax.lax.fori_loop(0, num_kv, body, jnp.zeros((block_q, d), jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret):
+  """Gradients of the padded problem: (dq [B,T,Hq,D], dk, dv [B,T,Hkv,D]) in input dtypes."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  group = hq // hkv
+  bq, bk = cfg.bwd_block_q, cfg.bwd_block_kv
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no keys: every p is masked
+  params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  args = (q, k, v, do, lse, delta, seg, seg)
+
+  full_q = pl.BlockSpec((None, t, group, d), lambda i, h, j: (i, 0, h, 0))
+  full_stat = pl.BlockSpec((None, group, t), lambda i, h, j: (i, h, 0))
+  kv_block = pl.BlockSpec((None, bk, None, d), lambda i, h, j: (i, j, h, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, sm_scale=sm_scale, block_q=bq, group=group),
+      grid=(b, hkv, t // bk),
+      in_specs=[full_q, kv_block, kv_block, full_q, full_stat, full_stat,
+                pl.BlockSpec((None, t), lambda i, h, j: (i, 0)),
+                pl.BlockSpec((None, bk), lambda i, h, j: (i, j))],
+      out_specs=[kv_block, kv_block],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params, interpret=interpret, name="packed_attention_dkv",
+  )(*args)
+
+  q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
+  full_kv = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // group, 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, sm_scale=sm_scale, block_kv=bk),
+      grid=(b, hq, t // bq),
+      in_specs=[q_block, full_kv, full_kv, q_block,
+                pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
+                pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
+                pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
+                pl.BlockSpec((None, t), lambda i, h, j: (i, 0))],
+      out_specs=q_block,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params, interpret=interpret, name="packed_attention_dq",
+  )(*args)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- GPU path
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, seg, sm_scale, cfg, interpret):
+  return _fwd_call(q, k, v, seg, sm_scale, cfg, interpret)[0]
+
+
+def _flash_fwd(q, k, v, seg, sm_scale, cfg, interpret):
+  o, lse = _fwd_call(q, k, v, seg, sm_scale, cfg, interpret)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(sm_scale, cfg, interpret, res, do):
+  q, k, v, seg, o, lse = res
+  dq, dk, dv = _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret)
+  return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _fit_blocks(cfg, t):
+  """Blocks no longer than the (power-of-two) padded row, and at least 16 (tl.dot)."""
+  cap = max(16, pl.next_power_of_2(t))
+  fit = lambda n: max(16, min(n, cap))
+  return dataclasses.replace(cfg, block_q=fit(cfg.block_q), block_kv=fit(cfg.block_kv),
+                             bwd_block_q=fit(cfg.bwd_block_q),
+                             bwd_block_kv=fit(cfg.bwd_block_kv))
+
+
+def _packed_triton(q, k, v, segment_ids, cfg, interpret):
+  b, t, _, d = q.shape
+  cfg = _fit_blocks(cfg, t)
+  for n in (cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv):
+    if n & (n - 1):
+      raise ValueError(f"triton block sizes must be powers of two, got {n}")
+  multiple = max(cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv)
+  t_pad = pl.cdiv(t, multiple) * multiple
+  d_pad = max(16, pl.next_power_of_2(d))  # zero columns change neither scores nor outputs
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
+  seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)))
+  out = _flash(pad(q), pad(k), pad(v), seg, 1.0 / math.sqrt(d), cfg, interpret)
+  return out[:, :t, :, :d]
+
+
+# ----------------------------------------------------------------------------- TPU path
+
+
+def _packed_splash(q, k, v, segment_ids, cfg, interpret):
+  """Splash attention per row; q pre-scaled since splash applies no softmax scale."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
+      splash_attention_kernel as splash, splash_attention_mask as splash_mask)
+  b, t, hq, d = q.shape
+  blk = cfg.splash_block
+  t_pad = pl.cdiv(t, blk) * blk
+  to_heads = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)))
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t_pad, t_pad))] * hq)
+  sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk,
+                            block_q_dkv=blk, block_kv_dkv=blk, block_kv_dkv_compute=blk,
+                            block_q_dq=blk, block_kv_dq=blk)
+  kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+  per_row = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash.SegmentIds(s1, s1))
+  scaled_q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
+  out = jax.vmap(per_row)(to_heads(scaled_q), to_heads(k), to_heads(v), seg)
+  return out.transpose(0, 2, 1, 3)[:, :t]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedAttentionConfig:
+  """Tunables (static). Triton blocks are powers of two, clipped to the padded row.
+
+  Attributes:
+    block_q: forward query rows per program.
+    block_kv: forward keys per inner step.
+    bwd_block_q: backward query rows per step (smaller: the backward holds more tiles).
+    bwd_block_kv: backward keys per program (dK/dV) and per step (dQ).
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth.
+    splash_block: TPU splash attention block (multiple of 128).
+    backend: "triton" or "splash"; None picks splash on TPU, triton elsewhere.
+    interpret: run the Pallas interpreter; None means "only on CPU".
+  """
+  block_q: int = 64
+  block_kv: int = 64
+  bwd_block_q: int = 32
+  bwd_block_kv: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  splash_block: int = 512
+  backend: str | None = None
+  interpret: bool | None = None
+
+
+def _resolve(config):
+  platform = jax.default_backend()
+  backend = config.backend or ("splash" if platform == "tpu" else "triton")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  interpret = platform == "cpu" if config.interpret is None else config.interpret
+  return backend, interpret
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig()):
+  """Causal attention inside packed segments, differentiable in q, k and v.
+
+  Args:
+    q: [B, T, Hq, D] queries (RoPE applied).
+    k: [B, T, Hkv, D] keys; Hq is a multiple of Hkv.
+    v: [B, T, Hkv, D] values.
+    segment_ids: [B, T] int, contiguous runs per sequence; 0 marks padding.
+    config: static tunables.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype; exactly 0 at padding positions.
+  """
+  if q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != segment_ids.shape:
+    raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} "
+                     f"segment_ids {segment_ids.shape}")
+  backend, interpret = _resolve(config)
+  impl = _packed_triton if backend == "triton" else _packed_splash
+  out = impl(q, k, v, segment_ids, config, interpret)
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def packed_attention_reference(q, k, v, segment_ids):
+  """float32 dense masked softmax; [B, T, Hq, D] f32, 0 at padding positions."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  mask = (causal[None] & same & (segment_ids[:, None, :] != 0))[:, None, None]
+  # A finite mask value keeps all-masked (padding) rows finite in values and gradients.
+  probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1), 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  return jnp.where((segment_ids != 0)[:, :, None, None], out.reshape(b, t, hq, d), 0.0)

@@ -1,0 +1,426 @@
+"""Paged decode attention: one query token per sequence against a paged KV pool.
+
+Pool layout: ``k_pages``/``v_pages`` are ``[Hkv, num_pages, page_size, D]``. One KV head's
+pages are contiguous, so the unit a kernel reads -- one page of one head -- is a dense
+``(page_size, D)`` tile: a single DMA on TPU and one coalesced 2-D load on GPU. Putting the
+head axis first (rather than ``[num_pages, page_size, Hkv, D]``) also means a kernel program
+that owns one KV head never touches the bytes of the other heads, and a page id means the
+same thing for every head, so one page table serves the whole layer. The rollout engine
+writes new tokens with a scatter on ``(page, slot)``, which this layout keeps cheap.
+
+GQA is handled by grouping: the ``Hq // Hkv`` query heads that share a KV head are one
+``[G, D]`` matrix, so every K/V byte is read once per sequence and used by all heads of its
+group (decode is bandwidth-bound; this is what makes GQA decode cheap).
+
+Two kernels, one per lowering, both written as pallas_call and run in interpret mode on CPU:
+
+* ``triton`` (GPU): Triton has no scalar prefetch, so the page-table row is an ordinary
+  input and pages are gathered inside the kernel (``k_ref[pages]``) from the head's whole
+  pool. The grid is ``(B, Hkv, splits)``: the context is split into ``splits`` partitions
+  (flash-decoding) so that small batches still fill the GPU, and the partial results are
+  merged by log-sum-exp afterwards. Query rows are padded to a power of two >= 16 (Triton's
+  block shapes must be powers of two and ``tl.dot`` needs 16 rows).
+* ``mosaic`` (TPU): ``PrefetchScalarGridSpec`` puts the page table and lengths in SMEM, and
+  the K/V BlockSpec index maps read them, so the Pallas pipeline DMAs exactly the pages a
+  step needs (double-buffered). A step covers ``pages_per_block`` pages by passing the pool
+  that many times with consecutive page slots. Steps past a sequence's length clamp to its
+  last page (no new DMA is issued for a repeated block index) and skip their compute.
+
+Both return the attention output and its log-sum-exp, so partial attentions over disjoint
+key sets (context splits, or the shared prefix and private suffix of cascade attention)
+merge exactly with :func:`merge_attention_parts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+# Large finite negative for masked scores: exp() of it underflows to exactly 0 without
+# producing inf - inf = NaN in the running-max update.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+BACKENDS = ("triton", "mosaic")
+
+
+def _dot_precision(dtype):
+  """f32 inputs get IEEE f32 dots (Triton otherwise uses TF32); bf16 uses the MXU/TC."""
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _scores(q, k, sm_scale):  # [M, D], [N, D] -> [M, N] f32
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                          precision=_dot_precision(q.dtype),
+                          preferred_element_type=jnp.float32)
+  return s * sm_scale
+
+
+def _weighted_values(p, v):  # [M, N] f32, [N, D] -> [M, D] f32
+  return jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=_dot_precision(v.dtype),
+                             preferred_element_type=jnp.float32)
+
+
+def _online_update(s, v, m, l, acc):
+  """One flash-attention step: fold scores s [M, N] and values v [N, D] into (m, l, acc)."""
+  m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))  # [M, 1]
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new)  # [M, N]
+  l_new = alpha * l + p.sum(axis=-1, keepdims=True)
+  acc_new = alpha * acc + _weighted_values(p, v)
+  return m_new, l_new, acc_new
+
+
+def _finish(m, l, acc):
+  """Normalised output and log-sum-exp; an empty key set gives (0, -inf)."""
+  nonempty = l > 0
+  out = acc / jnp.where(nonempty, l, 1.0)
+  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  return out, lse
+
+
+def merge_attention_parts(outs, lses):  # [N, ..., D] f32, [N, ...] f32 -> [..., D], [...]
+  """Exact merge of attentions over disjoint key sets by their log-sum-exps.
+
+  Each part i is softmax attention over its own keys, ``outs[i]``, with normaliser
+  ``exp(lses[i])``. The union's attention is the lse-weighted mean of the parts. Parts with
+  no keys carry ``lse = -inf`` and drop out; if every part is empty the result is (0, -inf).
+  """
+  m = lses.max(axis=0)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lses - m_safe)  # [N, ...]
+  denom = w.sum(axis=0)
+  nonempty = denom > 0
+  out = (w[..., None] * outs).sum(axis=0) / jnp.where(nonempty, denom, 1.0)[..., None]
+  lse = jnp.where(nonempty, m_safe + jnp.log(jnp.where(nonempty, denom, 1.0)), -jnp.inf)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------- GPU kernel
+
+
+def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
+                         sm_scale, pages_per_block, pages_per_split):
+  """One (sequence, KV head, context split): q_ref [Gp, D], k_ref/v_ref [P, ps, D]."""
+  page_size = k_ref.shape[1]
+  length = len_ref[0]
+  first = pl.program_id(2) * pages_per_split
+  end = jnp.minimum(first + pages_per_split, pl.cdiv(length, page_size))
+  num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+  q = q_ref[...]  # [Gp, D]
+  gp, d = q.shape
+  block_kv = pages_per_block * page_size
+
+  def body(j, carry):
+    start = first + j * pages_per_block
+    pages = pt_ref[pl.ds(start, pages_per_block)]  # [ppb]
+    k = k_ref[pages].reshape(block_kv, d)  # [bk, D]
+    v = v_ref[pages].reshape(block_kv, d)
+    s = _scores(q, k, sm_scale)  # [Gp, bk]
+    pos = start * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [bk]
+    s = jnp.where((pos < length)[None, :], s, MASK_VALUE)
+    return _online_update(s, v, *carry)
+
+  init = (jnp.full((gp, 1), MASK_VALUE, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
+          jnp.zeros((gp, d), jnp.float32))
+  out, lse = _finish(*jax.lax.fori_loop(0, num_blocks, body, init))
+  o_ref[...] = out
+  lse_ref[...] = lse.reshape(gp)
+
+
+def _split_plan(batch, hkv, max_pages, pages_per_block, num_splits):
+  """Static (splits, pages_per_split) with pages_per_split a multiple of the page block."""
+  blocks = pl.cdiv(max_pages, pages_per_block)
+  if num_splits is None:  # Aim for >= 256 programs (about two waves on an H100).
+    num_splits = pl.next_power_of_2(pl.cdiv(256, batch * hkv))
+  num_splits = max(1, min(num_splits, blocks))
+  return num_splits, pl.cdiv(blocks, num_splits) * pages_per_block
+
+
+def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
+                       interpret):
+  """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
+  b, hkv, g, d = q.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  for name, n in (("head_dim", d), ("page_size", page_size)):
+    if n & (n - 1):  # Padding the pool per call would copy all of it: refuse instead.
+      raise ValueError(f"the triton paged kernel needs a power-of-two {name}, got {n}")
+  if d < 16:
+    raise ValueError(f"the triton paged kernel needs head_dim >= 16 (tl.dot), got {d}")
+  # Power-of-two page blocks of >= 16 keys: Triton block shapes and tl.dot's minimum.
+  ppb = max(pl.next_power_of_2(_pages_per_block(config.block_kv, page_size) + 1) // 2,
+            pl.cdiv(16, page_size))
+  splits, pps = _split_plan(b, hkv, page_table.shape[1], ppb, config.num_splits)
+  gp = max(16, pl.next_power_of_2(g))
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+  page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
+  kernel = functools.partial(_paged_kernel_triton, sm_scale=sm_scale,
+                             pages_per_block=ppb, pages_per_split=pps)
+  pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(b, hkv, splits),
+      in_specs=[
+          pl.BlockSpec((None, None, gp, d), lambda i, h, s: (i, h, 0, 0)),
+          pool_spec, pool_spec,
+          pl.BlockSpec((None, splits * pps), lambda i, h, s: (i, 0)),
+          pl.BlockSpec((1,), lambda i, h, s: (i,)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, gp, d), lambda i, h, s: (s, i, h, 0, 0)),
+          pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, gp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, gp), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="paged_attention_triton",
+  )(q, k_pages, v_pages, page_table, lengths)
+  out, lse = merge_attention_parts(out, lse)
+  return out[:, :, :g], lse[:, :, :g]
+
+
+# ----------------------------------------------------------------------------- TPU kernel
+
+
+def _paged_kernel_mosaic(pt_ref, len_ref, q_ref, *refs, sm_scale, pages_per_block):
+  """One (sequence, KV head, page block) grid step; q_ref [G, D], each K/V ref [ps, D]."""
+  k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
+  b, i = pl.program_id(0), pl.program_id(2)
+  page_size = k_refs[0].shape[0]
+  length = len_ref[b]
+
+  @pl.when(i == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  @pl.when(i * pages_per_block * page_size < length)
+  def _step():
+    q = q_ref[...]  # [G, D]
+    carry = (m_sc[...], l_sc[...], acc_sc[...])
+    for j in range(pages_per_block):
+      s = _scores(q, k_refs[j][...], sm_scale)  # [G, ps]
+      first = (i * pages_per_block + j) * page_size
+      pos = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+      s = jnp.where(pos < length, s, MASK_VALUE)
+      carry = _online_update(s, v_refs[j][...], *carry)
+    m_sc[...], l_sc[...], acc_sc[...] = carry
+
+  @pl.when(i == pl.num_programs(2) - 1)
+  def _write():
+    out, lse = _finish(m_sc[...], l_sc[...], acc_sc[...])
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+
+def _page_index_map(j, pages_per_block, page_size, max_pages):
+  """Index map for page slot j of a step; steps past the length repeat the last page."""
+  def index_map(b, h, i, pt_ref, len_ref):
+    last = jnp.maximum((len_ref[b] + page_size - 1) // page_size - 1, 0)
+    slot = jnp.minimum(i * pages_per_block + j, last)
+    return h, pt_ref[b * max_pages + slot], 0, 0
+  return index_map
+
+
+def _paged_call_mosaic(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
+                       interpret):
+  """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
+  b, hkv, g, d = q.shape
+  _, _, page_size, _ = k_pages.shape
+  ppb = _pages_per_block(config.block_kv, page_size)
+  max_pages = pl.cdiv(page_table.shape[1], ppb) * ppb
+  page_table = jnp.pad(page_table, ((0, 0), (0, max_pages - page_table.shape[1])))
+  page_specs = [pl.BlockSpec((None, None, page_size, d),
+                             _page_index_map(j, ppb, page_size, max_pages))
+                for j in range(ppb)]
+  q_spec = pl.BlockSpec((None, None, g, d), lambda i, h, s, *_: (i, h, 0, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(b, hkv, max_pages // ppb),
+      in_specs=[q_spec, *page_specs, *page_specs],
+      out_specs=[q_spec, pl.BlockSpec((None, None, g, 1), lambda i, h, s, *_: (i, h, 0, 0))],
+      scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
+                      pltpu.VMEM((g, d), jnp.float32)],
+  )
+  kernel = functools.partial(_paged_kernel_mosaic, sm_scale=sm_scale, pages_per_block=ppb)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((b, hkv, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, g, 1), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      name="paged_attention_mosaic",
+  )(page_table.reshape(-1), lengths, q, *([k_pages] * ppb), *([v_pages] * ppb))
+  return out, lse[..., 0]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+  """Tunables of the paged decode kernels (static: a change recompiles).
+
+  Attributes:
+    block_kv: keys per inner step, rounded down to whole pages (at least one page). GPU:
+      one Triton loop iteration loads this many keys, rounded to a power-of-two number of
+      pages and at least 16 keys (tl.dot's minimum). TPU: one grid step DMAs this many.
+    num_splits: GPU context partitions per sequence (flash-decoding); None picks enough
+      to give about 256 programs. Ignored on TPU, whose grid walks the context serially.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth.
+    backend: "triton" or "mosaic"; None picks by the default backend (TPU -> mosaic,
+      otherwise triton, which the CPU runs in interpret mode).
+    interpret: run the Pallas interpreter; None means "only on CPU".
+  """
+  block_kv: int = 128
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+  backend: str | None = None
+  interpret: bool | None = None
+
+
+def _pages_per_block(block_kv, page_size):
+  return max(1, block_kv // page_size)
+
+
+def resolve_backend(backend, interpret):
+  """(backend, interpret) for this call: TPU -> mosaic, GPU -> triton, CPU -> interpreter."""
+  platform = jax.default_backend()
+  if backend is None:
+    backend = "mosaic" if platform == "tpu" else "triton"
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if interpret is None:
+    interpret = platform == "cpu"
+  return backend, interpret
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, lengths):
+  b, hq, d = q.shape
+  hkv, _, _, dk = k_pages.shape
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+  if dk != d or hq % hkv:
+    raise ValueError(f"q {q.shape} does not fit k_pages {k_pages.shape}")
+  if page_table.shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"page_table {page_table.shape} / lengths {lengths.shape} vs B={b}")
+
+
+def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config):
+  """Un-jitted core: ([B, Hq, D] f32 output, [B, Hq] f32 log-sum-exp).
+
+  Kept separate so cascade attention can merge float32 parts before rounding.
+  """
+  _check_inputs(q, k_pages, v_pages, page_table, lengths)
+  b, hq, d = q.shape
+  hkv, num_pages = k_pages.shape[:2]
+  backend, interpret = resolve_backend(config.backend, config.interpret)
+  call = _paged_call_triton if backend == "triton" else _paged_call_mosaic
+  # Entries past a sequence's length may still be read inside its last block: clamp them
+  # into the pool so a stale or sentinel id can never address memory outside it.
+  page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+  # A length past the table's capacity would index past the table: clip it there.
+  capacity = page_table.shape[1] * k_pages.shape[2]
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+  out, lse = call(qg, k_pages, v_pages, page_table, lengths, 1.0 / math.sqrt(d), config,
+                  interpret)
+  return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def paged_attention_with_lse(q, k_pages, v_pages, page_table, lengths, *,
+                             config=PagedAttentionConfig()):
+  """Paged decode attention that also returns the log-sum-exp of the scaled scores.
+
+  Args:
+    q: [B, Hq, D] one query token per sequence.
+    k_pages: [Hkv, num_pages, page_size, D] key pool; Hq is a multiple of Hkv.
+    v_pages: [Hkv, num_pages, page_size, D] value pool.
+    page_table: [B, max_pages] int32 page ids; token t of sequence b lives at
+      page ``page_table[b, t // page_size]``, slot ``t % page_size``. Pages may be shared.
+    lengths: [B] int32 number of valid tokens, at most max_pages * page_size (0 gives a
+      zero output and lse = -inf).
+    config: static tunables.
+
+  Returns:
+    ([B, Hq, D] in q's dtype, [B, Hq] float32 log-sum-exp).
+  """
+  out, lse = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config)
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *,
+                    config=PagedAttentionConfig()):
+  """Paged decode attention, [B, Hq, D] in q's dtype; see paged_attention_with_lse."""
+  out, _ = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config)
+  return out.astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def gather_pages(pages, page_table):  # [Hkv, P, ps, D], [B, M] -> [B, M * ps, Hkv, D]
+  """Dense per-sequence K or V from the pool (what the kernels avoid materialising).
+
+  Ids are clipped into the pool: slots past a sequence's length may hold any sentinel.
+  """
+  hkv, num_pages, page_size, d = pages.shape
+  b, m = page_table.shape
+  dense = pages[:, jnp.clip(page_table, 0, num_pages - 1)]  # [Hkv, B, M, ps, D]
+  return dense.reshape(hkv, b, m * page_size, d).transpose(1, 2, 0, 3)
+
+
+def masked_decode_attention_reference(q, k, v, valid):
+  """float32 masked GQA softmax and its log-sum-exp.
+
+  Args:
+    q: [B, Hq, D] queries.
+    k: [B, S, Hkv, D] keys.
+    v: [B, S, Hkv, D] values.
+    valid: [B, S] True for keys the query may attend to.
+
+  Returns:
+    ([B, Hq, D] float32, [B, Hq] float32); a row with no valid key gives (0, -inf).
+  """
+  b, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+  scores = jnp.einsum("bkgd,bskd->bkgs", qg, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+  valid = valid[:, None, None, :]
+  scores = jnp.where(valid, scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)  # [B, Hkv, G]
+  probs = jnp.where(valid, jnp.exp(scores - lse[..., None]), 0.0)
+  out = jnp.einsum("bkgs,bskd->bkgd", probs, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths):
+  """float32 reference: gather pages densely, mask by length, plain softmax."""
+  k = gather_pages(k_pages, page_table)  # [B, S, Hkv, D]
+  v = gather_pages(v_pages, page_table)
+  valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [B, S]
+  return masked_decode_attention_reference(q, k, v, valid)
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, lengths):
+  """float32 [B, Hq, D] reference output of paged_attention."""
+  return paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths)[0]

@@ -1,0 +1,98 @@
+"""Packed causal attention with segment ids: values and gradients == dense reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_post import kernels
+from tests.kernels.helpers import assert_close
+
+D = 16
+F32, BF16 = jnp.float32, jnp.bfloat16
+# Row 0: segments of 10, 17, 1 (a one-token sequence) and 7 tokens, then 5 padding tokens.
+# Row 1: one sequence fills the whole row. With 16-token blocks, row 0's last query block
+# shares no segment with its first key block, so the block-skipping path runs.
+SEGMENTS = np.stack([np.repeat([1, 2, 3, 4, 0], [10, 17, 1, 7, 5]), np.full(40, 9)])
+SMALL = dict(block_q=16, block_kv=16, bwd_block_q=16, bwd_block_kv=16)
+
+
+def inputs(seed, hq, hkv, dtype, segments=SEGMENTS):
+  rng = np.random.default_rng(seed)
+  b, t = segments.shape
+  draw = lambda h: jnp.asarray(rng.normal(size=(b, t, h, D)), dtype)
+  return draw(hq), draw(hkv), draw(hkv), jnp.asarray(segments, jnp.int32), draw(hq)
+
+
+def loss(attention, q, k, v, seg, weights):
+  return jnp.sum(attention(q, k, v, seg).astype(F32) * weights.astype(F32))
+
+
+@jax.jit
+def reference_value_and_grads(q, k, v, seg, weights):
+  """The dense reference and jax.grad of it, at the float32 values of the inputs."""
+  up = lambda x: x.astype(F32)
+  f = functools.partial(loss, kernels.packed_attention_reference)
+  grads = jax.grad(f, argnums=(0, 1, 2))(up(q), up(k), up(v), seg, weights)
+  return kernels.packed_attention_reference(q, k, v, seg), grads
+
+
+def check(config, q, k, v, seg, weights, dtype):
+  attention = functools.partial(kernels.packed_attention, config=config)
+  out = attention(q, k, v, seg)
+  grads = jax.grad(functools.partial(loss, attention), argnums=(0, 1, 2))(q, k, v, seg, weights)
+  ref_out, ref_grads = reference_value_and_grads(q, k, v, seg, weights)
+  assert out.dtype == dtype and out.shape == q.shape
+  assert_close(out, ref_out, dtype)
+  for g, ref_g in zip(grads, ref_grads):
+    assert g.dtype == dtype
+    assert_close(g, ref_g, dtype)
+  return out, grads
+
+
+@pytest.mark.parametrize("dtype,group", [(F32, 1), (BF16, 2), (F32, 4), (BF16, 4)],
+                         ids=["f32-g1", "bf16-g2", "f32-g4", "bf16-g4"])
+def test_triton_kernel_values_and_grads(dtype, group):
+  cfg = kernels.PackedAttentionConfig(backend="triton", **SMALL)
+  out, grads = check(cfg, *inputs(group, 2 * group, 2, dtype), dtype)
+  padding = SEGMENTS == 0
+  assert np.all(np.asarray(out, np.float32)[padding] == 0)
+  for g in grads:  # padding tokens neither attend nor are attended to
+    assert np.all(np.asarray(g, np.float32)[padding] == 0)
+
+
+def test_default_blocks_and_unpadded_head_dim():
+  """Default (64-wide, clipped) blocks and a head_dim of 12 padded to 16 inside."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 40, h, 12)), F32) for h in (4, 2, 2))
+  seg = jnp.asarray(SEGMENTS, jnp.int32)
+  weights = jnp.asarray(rng.normal(size=q.shape), F32)
+  check(kernels.PackedAttentionConfig(backend="triton"), q, k, v, seg, weights, F32)
+
+
+def test_splash_backend_values_and_grads():
+  cfg = kernels.PackedAttentionConfig(backend="splash", splash_block=128, interpret=True)
+  check(cfg, *inputs(5, 4, 2, F32), F32)
+
+
+def test_packed_equals_unpacked():
+  """Each sequence gives the same output alone in its own row as packed with others."""
+  cfg = kernels.PackedAttentionConfig(backend="triton", **SMALL)
+  q, k, v, seg, _ = inputs(6, 4, 2, F32)
+  packed = np.asarray(kernels.packed_attention(q, k, v, seg, config=cfg))
+  for start, stop in [(0, 10), (10, 27), (27, 28), (28, 35)]:
+    row = np.zeros((1, 40), np.int32)
+    row[0, :stop - start] = 1
+    take = lambda x: jnp.pad(x[:1, start:stop], ((0, 0), (0, 40 - stop + start), (0, 0), (0, 0)))
+    alone = kernels.packed_attention(take(q), take(k), take(v), jnp.asarray(row), config=cfg)
+    assert_close(np.asarray(alone)[0, :stop - start], packed[0, start:stop], F32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_gpu_kernel_values_and_grads(dtype):
+  assert jax.default_backend() == "gpu"
+  segments = np.stack([np.repeat([1, 2, 3, 0], [100, 211, 150, 51]), np.full(512, 4)])
+  check(kernels.PackedAttentionConfig(), *inputs(7, 8, 2, dtype, segments), dtype)
