@@ -1,0 +1,291 @@
+"""The jitted trainer step: packed forward, chunked logprobs, policy loss, AdamW.
+
+One rollout batch becomes `minibatches` optimizer steps; each step accumulates gradients
+over `micro_batches` packed micro-batches (lax.scan), with the loss normalised by the whole
+step's token or sequence count so micro-batching changes nothing. Parameters are f32
+masters; the forward computes in the model's compute dtype (bf16 by default). A step whose
+loss or gradient is not finite leaves parameters and optimizer state untouched and is
+counted in `TrainState.skipped`.
+
+With LoRA only the adapters train; the frozen base lives in `TrainState.frozen` and the
+reference policy is the base with the adapters switched off (no second copy of weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import ModelConfig, abstract_model
+from jaxrl_post.models.transformer import params_of
+from jaxrl_post.rl import metrics as canaries
+from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
+from jaxrl_post.rl.losses import LossConfig, global_normaliser, policy_loss
+from jaxrl_post.rl.off_policy import OffPolicyConfig, off_policy_correction
+from jaxrl_post.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jaxrl_post.rl.packing import Trajectory, pack
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  loss: LossConfig = LossConfig()
+  off_policy: Optional[OffPolicyConfig] = OffPolicyConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  minibatches: int = 1  # Optimizer steps per rollout batch.
+  micro_batches: int = 1  # Gradient-accumulation chunks per optimizer step.
+  row_tokens: int = 1024  # Packed row length.
+  temperature: float = 1.0  # The rollout's sampling temperature.
+
+  def __post_init__(self):
+    for name in ("minibatches", "micro_batches", "row_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise UserError(f"trainer config: {name} must be a positive integer, got {value!r}")
+    if self.temperature <= 0:
+      raise UserError(f"trainer config: temperature must be > 0, got {self.temperature}")
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 optimizer steps taken (skipped ones included)
+  params: dict  # trainable f32 parameters
+  frozen: dict  # parameters that do not train (the LoRA base), else {}
+  opt_state: Any
+  skipped: jax.Array  # int32 steps whose update was dropped as non-finite
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  """One optimizer step's data; every leaf has a leading micro-batch axis [M]."""
+
+  inputs: PackedInputs
+  old_logprobs: jax.Array  # [M, B, T] policy before this rollout batch's updates
+  behaviour_logprobs: jax.Array  # [M, B, T] from the rollout engine
+  ref_logprobs: jax.Array  # [M, B, T]
+  advantages: jax.Array  # [M, B, T]
+
+
+def merge_params(a: dict, b: dict) -> dict:
+  """Union of two nested dicts with disjoint leaves (trainable + frozen)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = merge_params(out[k], v) if isinstance(v, dict) and k in out else v
+  return out
+
+
+def _is_lora(path) -> bool:
+  return "_lora_" in str(path[-1])
+
+
+class Trainer:
+  """Builds and runs the jitted step for one model config on the training mesh."""
+
+  def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig()):
+    self.model_cfg, self.cfg = model_cfg, cfg
+    self.model = abstract_model(model_cfg)
+    self.lora = model_cfg.lora is not None
+    self.optimizer = make_optimizer(cfg.optimizer)
+    self.schedule = learning_rate_schedule(cfg.optimizer)
+    self._logprobs = jax.jit(self._completion_logprobs)
+    self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames=("on_policy",))
+
+  # ------------------------------------------------------------------ state
+
+  def split(self, params: dict) -> tuple[dict, dict]:
+    """(trainable, frozen) halves of a full parameter dict."""
+    if not self.lora:
+      return params, {}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    pick = lambda want: _unflatten([(p, x) for p, x in flat if _is_lora(p) == want])
+    return pick(True), pick(False)
+
+  def init_state(self, params: dict) -> TrainState:
+    """A TrainState from full parameters (already placed with training shardings)."""
+    trainable, frozen = self.split(params)
+    opt_state = jax.jit(self.optimizer.init)(trainable)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
+                      opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
+
+  def full_params(self, state: TrainState) -> dict:
+    return merge_params(state.params, state.frozen)
+
+  def reference_params(self, state: TrainState) -> dict:
+    """The base model with LoRA switched off (zero adapters); needs no weight copy."""
+    if not self.lora:
+      raise ValueError("without LoRA, keep a frozen copy of the initial parameters")
+    return merge_params(jax.tree.map(jnp.zeros_like, state.params), state.frozen)
+
+  # ---------------------------------------------------------------- logprobs
+
+  def _completion_logprobs(self, params, inputs: PackedInputs):
+    return completion_logprobs(self.model, params, inputs, self.cfg.temperature)
+
+  def logprobs(self, params: dict, inputs: PackedInputs):
+    """(logprob [B, T], entropy [B, T]) of a packed batch under `params` (no gradient)."""
+    return self._logprobs(params, inputs)
+
+  # -------------------------------------------------------------------- step
+
+  def _micro_loss(self, trainable, frozen, mb: StepBatch, normaliser, on_policy: bool):
+    params = merge_params(trainable, frozen)
+    logp, ent = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature)
+    # On-policy, the old policy *is* these parameters: reuse this forward (exact ratio 1,
+    # one forward pass saved) instead of a separately computed copy.
+    old = jax.lax.stop_gradient(logp) if on_policy else mb.old_logprobs
+    mask = mb.inputs.completion_mask
+    weights = None
+    if self.cfg.off_policy is not None:
+      weights, mask, _ = off_policy_correction(old, mb.behaviour_logprobs, mask,
+                                               self.cfg.off_policy)
+    loss, m = policy_loss(logp, old, mb.ref_logprobs, mb.advantages, mask, ent,
+                          self.cfg.loss, normaliser, is_weights=weights)
+    per_token = {"logp": logp, "entropy": ent, "ratio": m["ratio"],
+                 "clip_low": m["clip_low"], "clip_high": m["clip_high"],
+                 "is_weights": weights if weights is not None else jnp.ones_like(logp)}
+    return loss, per_token
+
+  def _train_step(self, state: TrainState, batch: StepBatch, normaliser, on_policy: bool):
+    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+      grads, total = carry
+      (loss, per_token), g = grad_fn(state.params, state.frozen, mb, normaliser, on_policy)
+      return (jax.tree.map(jnp.add, grads, g), total + loss), per_token
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, loss), per_token = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), batch)
+    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                              opt_state=keep(opt_state, state.opt_state),
+                              skipped=state.skipped + (~finite).astype(jnp.int32))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": new_state.skipped,
+               "lr": self.schedule(state.step), "update_finite": finite}
+    metrics.update(self._canaries(batch, per_token))
+    return new_state, metrics
+
+  def _canaries(self, batch: StepBatch, t: dict) -> dict:
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # [M, B, T] -> [M * B, T]
+    mask = flat(batch.inputs.completion_mask)
+    out = {}
+    out.update(canaries.ratio_canaries(flat(t["ratio"]), mask))
+    # 16 bins over [0.5, 1.5): the outer bins also count everything beyond them.
+    out["ratio/hist"] = canaries.masked_histogram(flat(t["ratio"]), mask, 0.5, 1.5, 16)
+    out.update(canaries.clip_fractions(flat(t["clip_low"]), flat(t["clip_high"]), mask))
+    out["kl/behaviour"] = canaries.behaviour_kl(flat(t["logp"]), flat(batch.behaviour_logprobs),
+                                                mask)
+    out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(batch.ref_logprobs), mask)
+    out["entropy"] = canaries.mean_entropy(flat(t["entropy"]), mask)
+    out.update(canaries.logprob_mismatch(flat(t["logp"]), flat(batch.behaviour_logprobs), mask))
+    out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
+    out.update(canaries.advantage_stats(flat(batch.advantages), mask))
+    out.update(canaries.length_stats(mask))
+    return out
+
+  def step(self, state: TrainState, batch: StepBatch,
+           on_policy: bool = False) -> tuple[TrainState, dict]:
+    """One optimizer step; `state` is donated.
+
+    on_policy: the parameters are those that sampled the batch (the first step after a
+      synchronous rollout); batch.old_logprobs is then not read.
+    """
+    mask = batch.inputs.completion_mask
+    normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
+    return self._step(state, batch, normaliser, on_policy=on_policy)
+
+
+def _unflatten(pairs) -> dict:
+  out: dict = {}
+  for path, x in pairs:
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key.key, {})
+    node[path[-1].key] = x
+  return out
+
+
+def split_minibatches(n: int, minibatches: int, micro_batches: int) -> list[list[list[int]]]:
+  """Trajectory indices [minibatch][micro-batch][...], contiguous and as even as possible."""
+  if n % (minibatches * micro_batches):
+    raise UserError(f"trainer: {n} trajectories do not split into {minibatches} minibatches "
+                    f"x {micro_batches} micro-batches")
+  size = n // (minibatches * micro_batches)
+  idx = list(range(n))
+  chunks = [idx[i:i + size] for i in range(0, n, size)]
+  return [chunks[i:i + micro_batches] for i in range(0, len(chunks), micro_batches)]
+
+
+def pack_micro_batches(trajectories: Sequence[Trajectory], groups: list[list[int]],
+                       row_tokens: int, max_completion: int) -> list[PackedInputs]:
+  """Packs each micro-batch with the same row count (static shapes for the scan)."""
+  need = max(len(pack([trajectories[i] for i in g], row_tokens).tokens) for g in groups)
+  rows = 1 << max(0, math.ceil(math.log2(need)))  # Powers of two: few recompiles.
+  return [PackedInputs.from_packed(pack([trajectories[i] for i in g], row_tokens, rows,
+                                        max_completion)) for g in groups]
+
+
+def stack(items: Sequence[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *items)
+
+
+def to_completion_layout(values: Sequence[Sequence[float]], t: int) -> np.ndarray:
+  """Ragged per-token values -> [B, T] float32, zero-padded."""
+  out = np.zeros((len(values), t), np.float32)
+  for i, v in enumerate(values):
+    out[i, :len(v)] = v
+  return out
+
+
+def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequence[Trajectory],
+                      behaviour_logprobs: Sequence[Sequence[float]], advantages: np.ndarray,
+                      ref_params: Optional[dict] = None,
+                      on_policy: bool = True) -> tuple[TrainState, list[dict]]:
+  """All optimizer steps for one rollout batch.
+
+  Args:
+    trainer: the trainer.
+    state: the current state (donated step by step).
+    trajectories: prompts and completions, groups of K contiguous.
+    behaviour_logprobs: per completion token, from the rollout engine.
+    advantages: [B] sequence-level advantages.
+    ref_params: frozen reference parameters; None with LoRA (the base is the reference).
+    on_policy: the rollout sampled from `state`'s parameters (synchronous training), so
+      the first step needs no separate old-logprob pass.
+
+  Returns:
+    The new state and one metrics dict (host floats) per optimizer step.
+  """
+  cfg = trainer.cfg
+  t = 8 * math.ceil(max(len(x.completion) for x in trajectories) / 8)
+  plan = split_minibatches(len(trajectories), cfg.minibatches, cfg.micro_batches)
+  old_params = trainer.full_params(state)  # The policy that sampled (before any update).
+  ref = ref_params if ref_params is not None else trainer.reference_params(state)
+  batches = []
+  for n, minibatch in enumerate(plan):
+    inputs = pack_micro_batches(trajectories, minibatch, cfg.row_tokens, t)
+    reuse = on_policy and n == 0
+    old = [jnp.zeros_like(x.completion_mask) if reuse else trainer.logprobs(old_params, x)[0]
+           for x in inputs]
+    batches.append(StepBatch(
+        inputs=stack(inputs), old_logprobs=stack(old),
+        behaviour_logprobs=stack([jnp.asarray(to_completion_layout(
+            [behaviour_logprobs[i] for i in g], t)) for g in minibatch]),
+        ref_logprobs=stack([trainer.logprobs(ref, x)[0] for x in inputs]),
+        advantages=stack([jnp.asarray(np.asarray(advantages, np.float32)[g])[:, None]
+                          * x.completion_mask for g, x in zip(minibatch, inputs)])))
+  history = []
+  for n, batch in enumerate(batches):
+    state, metrics = trainer.step(state, batch, on_policy=on_policy and n == 0)
+    history.append({k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()})
+  return state, history
