@@ -78,6 +78,7 @@ class ModelConfig:
   compute_dtype: str = "bfloat16"
   remat: str = "none"
   lora: Optional[LoraConfig] = None
+  value_head: bool = False  # A scalar value per position, for PPO's critic.
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -111,7 +112,8 @@ class ModelConfig:
       attn += d
     layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
-    return self.num_layers * layer + self.vocab_size * d + d + head
+    value = d + 1 if self.value_head else 0
+    return self.num_layers * layer + self.vocab_size * d + d + head + value
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

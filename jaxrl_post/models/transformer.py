@@ -118,6 +118,10 @@ class Transformer(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d, v), dtype),
                                logical_axes=("embed", "vocab"))
+    if cfg.value_head:
+      self.value_w = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d,), dtype),
+                               logical_axes=("embed",))
+      self.value_b = nnx.Param(jnp.zeros((), dtype), logical_axes=())
 
   def __call__(self, tokens, positions, segment_ids=None):  # [B, T] x3 -> [B, T, D]
     """Packed forward: returns final normed hidden states in the compute dtype."""
@@ -167,6 +171,11 @@ class Transformer(nnx.Module):
   def logits(self, hidden):  # [..., D] -> [..., V] float32
     w = self.lm_head_weight().astype(hidden.dtype)
     return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+  def values(self, hidden):  # [..., D] -> [...] float32
+    """The critic's value of each position's state (PPO); needs cfg.value_head."""
+    w = self.value_w[...].astype(jnp.float32)
+    return hidden.astype(jnp.float32) @ w + self.value_b[...].astype(jnp.float32)
 
   def embed_tokens(self, tokens):  # [B, T] -> [B, T, D] in the compute dtype
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)

@@ -81,6 +81,9 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
     model.lm_head.set_value(jnp.asarray(_fetch(get, "lm_head.weight", (v, d), (d, v), source),
                                         dtype))
   init_lora(model)  # Adapters are new: the checkpoint holds the base weights.
+  if cfg.value_head:  # So is a critic head on a policy checkpoint.
+    model.value_w.set_value(jnp.zeros((cfg.hidden_size,), dtype))
+    model.value_b.set_value(jnp.zeros((), dtype))
   _assert_concrete(model, source)
   return model
 

@@ -36,7 +36,8 @@ class PackedInputs:
 
 def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
                         temperature: float = 1.0,
-                        chunking: ChunkedLogprobConfig = ChunkedLogprobConfig()):
+                        chunking: ChunkedLogprobConfig = ChunkedLogprobConfig(),
+                        with_values: bool = False):
   """(logprob [B, T], entropy [B, T]) of each completion token, 0 where masked.
 
   Args:
@@ -44,6 +45,9 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
     params: the full parameter dict to run with.
     inputs: the packed batch.
     temperature: the sampling temperature the rollout used, so logprobs match it.
+    chunking: block sizes of the chunked logprob kernel.
+    with_values: also return the critic's values [B, T] of the states that sampled each
+      completion token (the model needs a value head).
   """
   m = with_params(model, params)
   hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)  # [R, S, D]
@@ -51,5 +55,7 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
   lm_head = m.lm_head_weight().astype(hidden.dtype)
   logp, ent = chunked_logprob(hidden.reshape(-1, d), lm_head, inputs.targets.reshape(-1),
                               temperature, config=chunking)
-  gather = lambda x: x[inputs.completion_index] * inputs.completion_mask
+  gather = lambda x: x.reshape(-1)[inputs.completion_index] * inputs.completion_mask
+  if with_values:
+    return gather(logp), gather(ent), gather(m.values(hidden))
   return gather(logp), gather(ent)

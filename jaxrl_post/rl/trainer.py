@@ -20,17 +20,21 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
-from jaxrl_post.models.transformer import params_of
+from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl import metrics as canaries
+from jaxrl_post.rl.advantages import AdvantageConfig, compute_advantages
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
 from jaxrl_post.rl.losses import LossConfig, global_normaliser, policy_loss
 from jaxrl_post.rl.off_policy import OffPolicyConfig, off_policy_correction
 from jaxrl_post.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from jaxrl_post.rl.packing import Trajectory, pack
+from jaxrl_post.rl.value import terminal_rewards, value_loss
+from jaxrl_post.sharding import TRAINING_RULES, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,9 @@ class TrainerConfig:
   micro_batches: int = 1  # Gradient-accumulation chunks per optimizer step.
   row_tokens: int = 1024  # Packed row length.
   temperature: float = 1.0  # The rollout's sampling temperature.
+  value_coef: float = 0.5  # PPO critic loss weight (models with a value head).
+  value_clip: float = 0.2
+  gae: AdvantageConfig = AdvantageConfig("gae")  # PPO advantages (value head).
 
   def __post_init__(self):
     for name in ("minibatches", "micro_batches", "row_tokens"):
@@ -71,6 +78,8 @@ class StepBatch:
   behaviour_logprobs: jax.Array  # [M, B, T] from the rollout engine
   ref_logprobs: jax.Array  # [M, B, T]
   advantages: jax.Array  # [M, B, T]
+  old_values: jax.Array  # [M, B, T] critic before the updates (zeros without a critic)
+  returns: jax.Array  # [M, B, T] critic targets (zeros without a critic)
 
 
 def merge_params(a: dict, b: dict) -> dict:
@@ -88,14 +97,21 @@ def _is_lora(path) -> bool:
 class Trainer:
   """Builds and runs the jitted step for one model config on the training mesh."""
 
-  def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig()):
-    self.model_cfg, self.cfg = model_cfg, cfg
+  def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig(),
+               mesh: Optional[Mesh] = None, rules=TRAINING_RULES):
+    self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
     self.model = abstract_model(model_cfg)
     self.lora = model_cfg.lora is not None
+    self.value_head = model_cfg.value_head
     self.optimizer = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
+    self.param_shardings = None
+    if mesh is not None:
+      self.param_shardings = tree_shardings(logical_axes(self.model), params_of(self.model),
+                                            rules, mesh)
     self._logprobs = jax.jit(self._completion_logprobs)
-    self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames=("on_policy",))
+    self._values = jax.jit(self._completion_values)
+    self._step = None  # Built by init_state, once the state's shardings are known.
 
   # ------------------------------------------------------------------ state
 
@@ -107,12 +123,35 @@ class Trainer:
     pick = lambda want: _unflatten([(p, x) for p, x in flat if _is_lora(p) == want])
     return pick(True), pick(False)
 
+  def place(self, params: dict) -> dict:
+    """Full parameters in the training sharding (unchanged without a mesh)."""
+    if self.param_shardings is None:
+      return params
+    return jax.device_put(params, self.param_shardings)
+
   def init_state(self, params: dict) -> TrainState:
-    """A TrainState from full parameters (already placed with training shardings)."""
-    trainable, frozen = self.split(params)
-    opt_state = jax.jit(self.optimizer.init)(trainable)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
-                      opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
+    """A TrainState from full parameters, placed on the training mesh when one is set.
+
+    The jitted step is built here with explicit out_shardings equal to the state's, so
+    the state never moves between steps and donation recycles its buffers in place.
+    """
+    # The state owns copies: steps donate its buffers, and the caller's arrays (often the
+    # reference weights too) must stay valid.
+    trainable, frozen = jax.tree.map(jnp.copy, self.split(self.place(params)))
+    shardings = None
+    if self.mesh is not None:
+      opt_abstract = jax.eval_shape(self.optimizer.init, trainable)
+      shardings = _like_params(opt_abstract, trainable, self.mesh)
+    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(trainable)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
+                       opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
+    out = None
+    if self.mesh is not None:
+      state = jax.device_put(state, _state_shardings(state, self.mesh))
+      out = (_state_shardings(state, self.mesh), None)
+    self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames=("on_policy",),
+                         out_shardings=out)
+    return state
 
   def full_params(self, state: TrainState) -> dict:
     return merge_params(state.params, state.frozen)
@@ -132,11 +171,21 @@ class Trainer:
     """(logprob [B, T], entropy [B, T]) of a packed batch under `params` (no gradient)."""
     return self._logprobs(params, inputs)
 
+  def _completion_values(self, params, inputs: PackedInputs):
+    return completion_logprobs(self.model, params, inputs, self.cfg.temperature,
+                               with_values=True)[2]
+
+  def values(self, params: dict, inputs: PackedInputs):
+    """Critic values [B, T] of a packed batch under `params` (value-head models)."""
+    return self._values(params, inputs)
+
   # -------------------------------------------------------------------- step
 
   def _micro_loss(self, trainable, frozen, mb: StepBatch, normaliser, on_policy: bool):
     params = merge_params(trainable, frozen)
-    logp, ent = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature)
+    out = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature,
+                              with_values=self.value_head)
+    logp, ent = out[:2]
     # On-policy, the old policy *is* these parameters: reuse this forward (exact ratio 1,
     # one forward pass saved) instead of a separately computed copy.
     old = jax.lax.stop_gradient(logp) if on_policy else mb.old_logprobs
@@ -147,9 +196,15 @@ class Trainer:
                                                self.cfg.off_policy)
     loss, m = policy_loss(logp, old, mb.ref_logprobs, mb.advantages, mask, ent,
                           self.cfg.loss, normaliser, is_weights=weights)
+    v_loss = jnp.float32(0.0)
+    if self.value_head:
+      v_loss = value_loss(out[2], mb.old_values, mb.returns, mb.inputs.completion_mask,
+                          self.cfg.value_clip, normaliser, self.cfg.loss)
+      loss = loss + self.cfg.value_coef * v_loss
     per_token = {"logp": logp, "entropy": ent, "ratio": m["ratio"],
                  "clip_low": m["clip_low"], "clip_high": m["clip_high"],
-                 "is_weights": weights if weights is not None else jnp.ones_like(logp)}
+                 "is_weights": weights if weights is not None else jnp.ones_like(logp),
+                 "value_loss": v_loss}
     return loss, per_token
 
   def _train_step(self, state: TrainState, batch: StepBatch, normaliser, on_policy: bool):
@@ -171,6 +226,7 @@ class Trainer:
                               opt_state=keep(opt_state, state.opt_state),
                               skipped=state.skipped + (~finite).astype(jnp.int32))
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": new_state.skipped,
+               "value_loss": jnp.sum(per_token["value_loss"]),
                "lr": self.schedule(state.step), "update_finite": finite}
     metrics.update(self._canaries(batch, per_token))
     return new_state, metrics
@@ -203,6 +259,30 @@ class Trainer:
     mask = batch.inputs.completion_mask
     normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
     return self._step(state, batch, normaliser, on_policy=on_policy)
+
+
+def _state_shardings(state: TrainState, mesh: Mesh):
+  """Each state leaf keeps the sharding it has; scalars are replicated on `mesh`."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
+                      else replicated, state)
+
+
+def _like_params(tree, params: dict, mesh: Mesh):
+  """Shardings for an optimizer state: a leaf whose path ends with a parameter's path
+  (Adam's mu and nu mirror the parameters) takes that parameter's sharding."""
+  by_path = {tuple(k.key for k in p): x.sharding
+             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+    for n in range(len(keys)):
+      if keys[n:] in by_path and by_path[keys[n:]] is not None:
+        return by_path[keys[n:]]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree)
 
 
 def _unflatten(pairs) -> dict:
@@ -248,9 +328,11 @@ def to_completion_layout(values: Sequence[Sequence[float]], t: int) -> np.ndarra
 
 
 def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequence[Trajectory],
-                      behaviour_logprobs: Sequence[Sequence[float]], advantages: np.ndarray,
-                      ref_params: Optional[dict] = None,
-                      on_policy: bool = True) -> tuple[TrainState, list[dict]]:
+                      behaviour_logprobs: Sequence[Sequence[float]],
+                      advantages: Optional[np.ndarray] = None,
+                      rewards: Optional[np.ndarray] = None,
+                      ref_params: Optional[dict] = None, on_policy: bool = True,
+                      group_size: Optional[int] = None) -> tuple[TrainState, list[dict]]:
   """All optimizer steps for one rollout batch.
 
   Args:
@@ -258,34 +340,60 @@ def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequenc
     state: the current state (donated step by step).
     trajectories: prompts and completions, groups of K contiguous.
     behaviour_logprobs: per completion token, from the rollout engine.
-    advantages: [B] sequence-level advantages.
+    advantages: [B] sequence-level advantages (GRPO family); None for a value-head model,
+      whose advantages come from GAE over `rewards` and its critic.
+    rewards: [B] sequence rewards: required for GAE; otherwise only reported.
     ref_params: frozen reference parameters; None with LoRA (the base is the reference).
     on_policy: the rollout sampled from `state`'s parameters (synchronous training), so
       the first step needs no separate old-logprob pass.
+    group_size: K, to report the fraction of groups whose rewards do not vary.
 
   Returns:
-    The new state and one metrics dict (host floats) per optimizer step.
+    The new state and one metrics dict (host values) per optimizer step.
   """
   cfg = trainer.cfg
+  if (advantages is None) != trainer.value_head or (advantages is None and rewards is None):
+    raise ValueError("pass advantages for a policy-only model, rewards for a value-head one")
   t = 8 * math.ceil(max(len(x.completion) for x in trajectories) / 8)
   plan = split_minibatches(len(trajectories), cfg.minibatches, cfg.micro_batches)
   old_params = trainer.full_params(state)  # The policy that sampled (before any update).
   ref = ref_params if ref_params is not None else trainer.reference_params(state)
-  batches = []
-  for n, minibatch in enumerate(plan):
-    inputs = pack_micro_batches(trajectories, minibatch, cfg.row_tokens, t)
-    reuse = on_policy and n == 0
-    old = [jnp.zeros_like(x.completion_mask) if reuse else trainer.logprobs(old_params, x)[0]
-           for x in inputs]
-    batches.append(StepBatch(
-        inputs=stack(inputs), old_logprobs=stack(old),
-        behaviour_logprobs=stack([jnp.asarray(to_completion_layout(
-            [behaviour_logprobs[i] for i in g], t)) for g in minibatch]),
-        ref_logprobs=stack([trainer.logprobs(ref, x)[0] for x in inputs]),
-        advantages=stack([jnp.asarray(np.asarray(advantages, np.float32)[g])[:, None]
-                          * x.completion_mask for g, x in zip(minibatch, inputs)])))
+  batches = [_step_batch(trainer, old_params, ref, trajectories, behaviour_logprobs,
+                         advantages, rewards, minibatch, t, skip_old=on_policy and n == 0)
+             for n, minibatch in enumerate(plan)]
+  extra = {}
+  if rewards is not None:
+    extra["reward/mean"] = float(np.mean(rewards))
+    if group_size:
+      extra["groups/zero_variance_frac"] = float(canaries.zero_variance_fraction(
+          jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)))
   history = []
   for n, batch in enumerate(batches):
     state, metrics = trainer.step(state, batch, on_policy=on_policy and n == 0)
-    history.append({k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()})
+    history.append({k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+                   | extra)
   return state, history
+
+
+def _step_batch(trainer, old_params, ref, trajectories, behaviour, advantages, rewards,
+                minibatch, t, skip_old: bool) -> StepBatch:
+  """Packs one minibatch's micro-batches and gathers every per-token input of the step."""
+  inputs = pack_micro_batches(trajectories, minibatch, trainer.cfg.row_tokens, t)
+  zeros = [jnp.zeros_like(x.completion_mask) for x in inputs]
+  old = zeros if skip_old else [trainer.logprobs(old_params, x)[0] for x in inputs]
+  if trainer.value_head:
+    values = [trainer.values(old_params, x) for x in inputs]
+    targets = [compute_advantages(terminal_rewards(jnp.asarray(np.asarray(rewards, np.float32)[g]),
+                                                   x.completion_mask), x.completion_mask,
+                                  trainer.cfg.gae, values=v)
+               for g, x, v in zip(minibatch, inputs, values)]
+    adv, returns = [a for a, _ in targets], [r for _, r in targets]
+  else:
+    values, returns = zeros, zeros
+    adv = [jnp.asarray(np.asarray(advantages, np.float32)[g])[:, None] * x.completion_mask
+           for g, x in zip(minibatch, inputs)]
+  beh = [jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)) for g in minibatch]
+  return StepBatch(inputs=stack(inputs), old_logprobs=stack(old),
+                   behaviour_logprobs=stack(beh),
+                   ref_logprobs=stack([trainer.logprobs(ref, x)[0] for x in inputs]),
+                   advantages=stack(adv), old_values=stack(values), returns=stack(returns))

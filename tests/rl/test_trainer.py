@@ -43,8 +43,9 @@ def grads_of(trainer, state, inputs_list, groups, adv, behaviour, t, normaliser)
   full = trainer.full_params(state)
   for inputs, g in zip(inputs_list, groups):
     old = trainer.logprobs(full, inputs)[0]
+    zeros = jnp.zeros_like(old)
     mb = StepBatch(inputs, old, jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)),
-                   old, jnp.asarray(adv[g])[:, None] * inputs.completion_mask)
+                   old, jnp.asarray(adv[g])[:, None] * inputs.completion_mask, zeros, zeros)
     g_ = jax.grad(lambda p: trainer._micro_loss(p, state.frozen, mb, normaliser, False)[0])(
         state.params)
     total = jax.tree.map(jnp.add, total, g_)
@@ -80,7 +81,8 @@ def test_first_on_policy_step_has_ratio_one_and_no_clipping():
   trajs, behaviour, rewards = rollout(trainer, state, k=4, seed=0)
   adv = rewards - rewards.mean() + np.linspace(-1, 1, len(rewards), dtype=np.float32)
   ref = params_of(init_model(CFG, 0))
-  state, history = train_on_rollouts(trainer, state, trajs, behaviour, adv, ref)
+  state, history = train_on_rollouts(trainer, state, trajs, behaviour, adv, rewards,
+                                     ref_params=ref, group_size=4)
   first = history[0]
   for key, value in first.items():
     if key.startswith("ratio/p"):
@@ -99,7 +101,7 @@ def test_non_finite_update_is_skipped_and_counted():
   trajs, behaviour, _ = rollout(trainer, state, k=2, seed=0)
   before = jax.device_get(state.params)
   adv = np.full(len(trajs), np.nan, np.float32)
-  state, history = train_on_rollouts(trainer, state, trajs, behaviour, adv, params)
+  state, history = train_on_rollouts(trainer, state, trajs, behaviour, adv, ref_params=params)
   assert history[0]["update_finite"] is False and int(state.skipped) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), before)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state.opt_state)))
@@ -126,3 +128,41 @@ def test_grpo_solves_the_toy_task():
   print("toy task reward: start", np.mean(curve[:10]), "end", np.mean(curve[-10:]))
   assert np.mean(curve[:10]) < 0.3
   assert np.mean(curve[-10:]) > 0.95
+
+
+def test_ppo_with_a_value_head_fits_its_critic():
+  cfg = dataclasses.replace(CFG, value_head=True)
+  trainer = Trainer(cfg, TrainerConfig(row_tokens=32, optimizer=OptimizerConfig(1e-2)))
+  params = params_of(init_model(cfg, 0))
+  state = trainer.init_state(params)
+  trajs, behaviour, rewards = rollout(trainer, state, k=4, seed=0)
+  rewards = rewards + np.linspace(0, 1, len(rewards), dtype=np.float32)
+  value_losses = []
+  for i in range(8):
+    state, history = train_on_rollouts(trainer, state, trajs, behaviour, rewards=rewards,
+                                       ref_params=params, on_policy=i == 0)
+    value_losses.append(history[0]["value_loss"])
+  assert value_losses[0] > 0 and value_losses[-1] < 0.5 * value_losses[0], value_losses
+
+
+def test_sharded_trainer_matches_the_single_device_one():
+  from jaxrl_post.sharding import MeshConfig, make_mesh
+  from jax.sharding import NamedSharding
+  cfg = TrainerConfig(row_tokens=32, optimizer=OptimizerConfig(1e-2), micro_batches=2)
+  params = params_of(init_model(CFG, 0))
+  results = []
+  for mesh in (None, make_mesh(MeshConfig(fsdp=4, tensor=2))):
+    trainer = Trainer(CFG, cfg, mesh=mesh)
+    state = trainer.init_state(params)
+    trajs, behaviour, rewards = rollout(trainer, state, k=4, seed=0)
+    adv = np.linspace(-1, 1, len(trajs), dtype=np.float32)
+    state, history = train_on_rollouts(trainer, state, trajs, behaviour, adv, ref_params=params)
+    if mesh is not None:
+      shardings = [x.sharding for x in jax.tree.leaves(state)]
+      assert all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings)
+      wq = state.params["layers"]["wq"]
+      assert wq.sharding.shard_shape(wq.shape)[2] == CFG.num_heads // 2  # heads over tensor
+    results.append((jax.device_get(state.params), history[0]["loss"]))
+  assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), results[0][0],
+               results[1][0])

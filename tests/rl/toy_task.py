@@ -44,6 +44,7 @@ def run_grpo(trainer_cfg, steps, k=8, seed=0):
     trajs, behaviour, rewards = rollout(trainer, state, k, seed=step)
     mask = np.ones((len(trajs), 1), np.float32)
     adv, _ = compute_advantages(rewards, mask, adv_cfg)
-    state, _ = train_on_rollouts(trainer, state, trajs, behaviour, np.asarray(adv)[:, 0], ref)
+    state, _ = train_on_rollouts(trainer, state, trajs, behaviour, np.asarray(adv)[:, 0],
+                                  rewards, ref_params=ref, group_size=k)
     curve.append(float(rewards.mean()))
   return curve
