@@ -6,6 +6,8 @@
   --temperature 0        greedy decoding
   --json                 print exactly one JSON object:
                          {"prompt_token_ids", "output_token_ids", "output_text"}
+
+Decoding runs on the rollout engine (paged KV cache), the same code path as RL rollouts.
 """
 
 from __future__ import annotations
@@ -34,11 +36,25 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+def _engine_for(model, prompt_len: int, max_new_tokens: int, num_stop_ids: int):
+  """A one-slot engine whose page pool holds exactly this request."""
+  from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
+  from jaxrl_post.rollout.pages import cdiv
+
+  page_size = 16
+  context = model.config.max_position_embeddings
+  max_seq_len = min(cdiv(prompt_len + max_new_tokens, 64) * 64, context)
+  pool = PoolConfig(page_size=page_size, num_pages=cdiv(max_seq_len, page_size) + 1)
+  config = EngineConfig(num_slots=1, decode_steps=16, prefill_chunk=256,
+                        max_seq_len=max_seq_len, max_stop_ids=max(1, num_stop_ids), pool=pool)
+  return Engine.from_model(model, config)
+
+
 def run(args: argparse.Namespace) -> dict:
   import jax
 
   from jaxrl_post import models
-  from jaxrl_post.models.decode import generate_dense
+  from jaxrl_post.rollout import Request, SamplingParams, generate
 
   dtype = args.dtype
   if dtype == "auto":
@@ -48,9 +64,12 @@ def run(args: argparse.Namespace) -> dict:
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
   else:
     prompt_ids = tok.encode(args.prompt)
-  result = generate_dense(model, [prompt_ids], max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, stop_ids=tok.stop_ids)
-  out = result.tokens[0]
+  sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
+                            stop_ids=tok.stop_ids)
+  engine = _engine_for(model, len(prompt_ids), sampling.max_tokens, len(tok.stop_ids))
+  completion = generate(engine, [Request(tuple(prompt_ids), seed=args.seed)],
+                        sampling=sampling)[0][0]
+  out = list(completion.tokens)
   return {"prompt_token_ids": prompt_ids, "output_token_ids": out,
           "output_text": tok.decode(out, skip_special_tokens=True)}
 

@@ -1,0 +1,98 @@
+"""Attention against the paged KV pool: the decode step and the prefill chunk.
+
+The pool holds every layer: ``[L, Hkv, num_pages, page_size, D]`` per K and V, one KV head's
+pages contiguous (the layout of jaxrl_post.kernels.paged_attention, with a leading layer
+axis). The functions take the whole pool plus a layer index rather than one layer's slice:
+inside the scanned layer loop a slice ``pool[layer]`` would be a copy of that layer's pool
+per step, while indexing the stacked pool gathers only the pages a sequence owns.
+
+Both functions are plain jnp: gather the sequence's pages, mask by length, float32 softmax.
+`paged_decode_attention` is the one the decode loop calls on every step; swapping in the
+Pallas kernel is its one `return` line (see its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_post.models.layers import MASK_VALUE
+
+
+def gather_pages(pool, layer, page_table):  # [L, Hkv, P, ps, D], [], [B, M] -> [B, Hkv, M*ps, D]
+  """Dense keys (or values) of each row's pages, in token order."""
+  pages = pool[layer, :, page_table]  # [B, M, Hkv, ps, D]
+  b, m, hkv, ps, d = pages.shape
+  return pages.transpose(0, 2, 1, 3, 4).reshape(b, hkv, m * ps, d)
+
+
+def _attend(q, k, v, mask):  # [B, T, Hq, D], [B, Hkv, S, D] x2, [B, T, S] -> [B, T, Hq, D]
+  """Grouped-query attention with a float32 softmax, output in q's dtype."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[1]
+  qg = q.reshape(b, t, hkv, hq // hkv, d)
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype),
+                      preferred_element_type=jnp.float32) / math.sqrt(d)
+  scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(q.dtype))
+  return out.reshape(b, t, hq, d)
+
+
+def _window(mask, q_pos, k_pos, sliding_window):
+  if sliding_window is None:
+    return mask
+  return mask & ((q_pos[..., :, None] - k_pos[..., None, :]) < sliding_window)
+
+
+def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, sliding_window=None):
+  """One query token per sequence against its pages: the decode step's attention.
+
+  Args:
+    q: [B, Hq, D] the query of the token at position ``lengths - 1``.
+    k_pool: [L, Hkv, num_pages, page_size, D] keys of every layer.
+    v_pool: [L, Hkv, num_pages, page_size, D] values.
+    layer: scalar int, the layer whose pages to read.
+    page_table: [B, M] int32; token t of row b lives in page ``page_table[b, t // page_size]``.
+      Entries past a row's length may name any page (they are masked).
+    lengths: [B] int32 valid tokens per row, the query's own included (>= 1).
+    sliding_window: static; keys older than this many positions are masked (Mistral).
+
+  Returns:
+    [B, Hq, D] in q's dtype.
+
+  To run the Pallas kernel instead (no sliding window), the body becomes
+  ``return kernels.paged_attention(q, k_pool[layer], v_pool[layer], page_table, lengths)``.
+  """
+  k = gather_pages(k_pool, layer, page_table)  # [B, Hkv, S, D]
+  v = gather_pages(v_pool, layer, page_table)
+  k_pos = jnp.arange(k.shape[2])[None, :]  # [1, S]
+  mask = k_pos < lengths[:, None]  # [B, S]
+  mask = _window(mask[:, None, :], (lengths - 1)[:, None], k_pos, sliding_window)
+  return _attend(q[:, None], k, v, mask)[:, 0]
+
+
+def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_lengths,
+                            sliding_window=None):
+  """A chunk of prompt queries against their rows' pages (the chunk's own K/V included).
+
+  Args:
+    q: [B, T, Hq, D] queries of the chunk's tokens.
+    k_pool: [L, Hkv, num_pages, page_size, D].
+    v_pool: [L, Hkv, num_pages, page_size, D].
+    layer: scalar int.
+    page_table: [B, M] int32, each row covering at least ``kv_lengths`` tokens.
+    positions: [B, T] int32 positions of the queries (causal: key s is seen iff s <= position).
+    kv_lengths: [B] int32 tokens written so far (the chunk's valid tokens included).
+    sliding_window: static, as in paged_decode_attention.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype.
+  """
+  k = gather_pages(k_pool, layer, page_table)
+  v = gather_pages(v_pool, layer, page_table)
+  k_pos = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, S]
+  mask = (k_pos <= positions[:, :, None]) & (k_pos < kv_lengths[:, None, None])  # [B, T, S]
+  return _attend(q, k, v, _window(mask, positions, k_pos[0], sliding_window))

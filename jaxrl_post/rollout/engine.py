@@ -1,0 +1,485 @@
+"""The rollout engine: paged KV decode with prefix sharing, shaped like JetStream's Engine.
+
+`Engine` is the low-level interface a scheduler drives:
+
+* `new_prefix` / `prefill`: reserve pages for a prompt and its samples, then write the
+  prompt's K/V into pages one chunk per call (so prefill interleaves with decoding); the
+  last chunk also draws every sample's first token.
+* `insert` / `bulk_insert`: hand samples of a prefilled prompt to decode slots. They share
+  the prompt's full pages; the partial last page is copied per sample (copy on write).
+* `generate`: `decode_steps` decode steps for every slot in one jitted device loop.
+* `free_resource`: return a finished slot's pages.
+
+Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
+between calls; every token is stamped with the version that produced it. `generate` at the
+bottom of this module is the high-level call: requests in, per-sample completions out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.models.transformer import Transformer, abstract_model, params_of, with_params
+from jaxrl_post.rollout import forward
+from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
+                                      PoolConfig, cdiv, copy_pages, resolve_num_pages)
+from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
+from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
+
+_MIN_CHUNK = 16  # Smallest prefill chunk shape; chunks are powers of two up to the limit.
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Shapes and budgets of the rollout engine (a change recompiles).
+
+  Attributes:
+    num_slots: sequences decoded together (the decode batch).
+    decode_steps: decode steps per device call; the host sees tokens once per call.
+    prefill_chunk: most prompt tokens written per prefill call.
+    max_seq_len: longest prompt + completion; None means the model's context.
+    max_stop_ids: most stop ids per request.
+    kv_dtype: the pool's dtype; None means the model's compute dtype.
+    min_table_pages: narrowest page table a device call sees. Tables are cut to a power of
+      two of pages >= this (and <= max_seq_len / page_size), so attention gathers at most
+      twice the pages in use while only a few table shapes are ever compiled.
+    pool: how many KV pages to allocate.
+  """
+
+  num_slots: int = 8
+  decode_steps: int = 16
+  prefill_chunk: int = 256
+  max_seq_len: int | None = None
+  max_stop_ids: int = 8
+  kv_dtype: str | None = None
+  min_table_pages: int = 16
+  pool: PoolConfig = PoolConfig()
+
+  def __post_init__(self):
+    for name in ("num_slots", "decode_steps", "prefill_chunk", "max_stop_ids",
+                 "min_table_pages"):
+      if getattr(self, name) < 1:
+        raise UserError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+
+
+class SlotState(NamedTuple):
+  """Per-slot decode state, the carry of the device loop (B = num_slots)."""
+
+  tokens: jax.Array  # [B] int32 next token to feed
+  lengths: jax.Array  # [B] int32 tokens in the slot's pages (position of `tokens`)
+  num_generated: jax.Array  # [B] int32 completion tokens so far (the fed one included)
+  max_tokens: jax.Array  # [B] int32
+  active: jax.Array  # [B] bool
+  page_table: jax.Array  # [B, M] int32
+  seeds: jax.Array  # [B] uint32
+  sample_ids: jax.Array  # [B] int32
+  temperature: jax.Array  # [B] float32
+  top_k: jax.Array  # [B] int32
+  top_p: jax.Array  # [B] float32
+  stop_ids: jax.Array  # [B, S] int32, -1 padded
+
+
+def _host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
+  b = num_slots
+  return SlotState(
+      tokens=np.zeros((b,), np.int32), lengths=np.zeros((b,), np.int32),
+      num_generated=np.zeros((b,), np.int32), max_tokens=np.zeros((b,), np.int32),
+      active=np.zeros((b,), bool), page_table=np.full((b, max_pages), TRASH_PAGE, np.int32),
+      seeds=np.zeros((b,), np.uint32), sample_ids=np.zeros((b,), np.int32),
+      temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
+      top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def _template(cfg: ModelConfig) -> Transformer:
+  return abstract_model(cfg)
+
+
+def _bind(cfg: ModelConfig, params) -> Transformer:
+  return with_params(_template(cfg), params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("pool",))
+def _decode_loop(params, pool: KVPool, state: SlotState, *, cfg: ModelConfig, steps: int):
+  """Up to `steps` decode steps for all slots; stops early once every slot is done.
+
+  Returns:
+    (pool, final state, tokens [B, steps] (-1 where a slot produced none), logprobs).
+  """
+  model = _bind(cfg, params)
+  b = state.tokens.shape[0]
+  out_tokens = jnp.full((b, steps), -1, jnp.int32)
+  out_logprobs = jnp.zeros((b, steps), jnp.float32)
+
+  def cond(carry):
+    i, _, st, _, _ = carry
+    return (i < steps) & jnp.any(st.active)
+
+  def body(carry):
+    i, pool, st, out_tokens, out_logprobs = carry
+    logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
+                                       st.active)
+    keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
+    tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p)
+    on = st.active
+    out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
+    out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
+    n = st.num_generated + on
+    stop = jnp.any(tok[:, None] == st.stop_ids, axis=1)
+    st = st._replace(tokens=jnp.where(on, tok, st.tokens), lengths=st.lengths + on,
+                     num_generated=n, active=on & ~stop & (n < st.max_tokens))
+    return i + 1, pool, st, out_tokens, out_logprobs
+
+  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs)
+  _, pool, state, out_tokens, out_logprobs = jax.lax.while_loop(cond, body, carry)
+  return pool, state, out_tokens, out_logprobs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
+def _prefill(params, pool: KVPool, tokens, start, num_valid, page_table, *, cfg: ModelConfig):
+  """One prompt chunk per row into the pool; (pool, logits [B, V] after each row's last token)."""
+  logits, pool = forward.prefill_chunk(_bind(cfg, params), pool, tokens, start, num_valid,
+                                       page_table)
+  return pool, logits
+
+
+@jax.jit
+def _sample_first(logits, seeds, sample_ids, temperature, top_k, top_p):  # [1, V], [K] x5
+  """Each sample's first token (token index 0) from the prompt's last logits."""
+  k = seeds.shape[0]
+  keys = token_keys(seeds, sample_ids, jnp.zeros((k,), jnp.int32))
+  return sample(jnp.broadcast_to(logits, (k, logits.shape[-1])), keys, temperature, top_k,
+                top_p)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass
+class Prefix:
+  """A prompt being prefilled, or prefilled and handing its samples to slots.
+
+  Attributes:
+    prompt: [P] int32 prompt ids.
+    sampling: how its samples are drawn.
+    seed: the request's seed.
+    sample_ids: indices (within the request) of the samples this prefix serves.
+    seq: the prompt's pages, plus the reservation for every sample not yet inserted.
+    private_pages: pages one sample may need beyond the shared full prompt pages.
+    prefilled: prompt tokens written so far.
+    first_tokens / first_logprobs / first_version: each sample's first token, once prefilled.
+    next_sample: samples handed out so far (inserted or finished at their first token).
+  """
+
+  prompt: np.ndarray
+  sampling: SamplingParams
+  seed: int
+  sample_ids: tuple[int, ...]
+  seq: PagedSequence
+  private_pages: int
+  prefilled: int = 0
+  first_tokens: np.ndarray | None = None
+  first_logprobs: np.ndarray | None = None
+  first_version: int | None = None
+  next_sample: int = 0
+
+  @property
+  def done(self) -> bool:
+    return self.first_tokens is not None
+
+  @property
+  def remaining(self) -> int:
+    return len(self.sample_ids) - self.next_sample
+
+  def finishes_at_first(self, i: int) -> bool:
+    """Whether sample i ends with its first token (a stop id, or max_tokens == 1)."""
+    return (self.sampling.max_tokens == 1 or
+            int(self.first_tokens[i]) in self.sampling.stop_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultTokens:
+  """What one `generate` call produced, per slot.
+
+  Attributes:
+    tokens: [B, N] int32, -1 where the slot produced no token at that step.
+    logprobs: [B, N] float32 behaviour log-probabilities.
+    finished: [B] bool, the slot's sequence ended during this call.
+    version: the weight version that produced these tokens.
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  finished: np.ndarray
+  version: int
+
+
+class Engine:
+  """Paged-KV decode engine over a fixed number of slots and one KV page pool."""
+
+  def __init__(self, model_config: ModelConfig, params, config: EngineConfig = EngineConfig(),
+               *, version: int = 0):
+    self.model_config, self.config = model_config, config
+    self.set_weights(params, version)
+    self.kv_dtype = jnp.dtype(config.kv_dtype or model_config.compute_dtype)
+    self.page_size = config.pool.page_size
+    num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype)
+    self.pool = KVPool.zeros(model_config, num_pages, self.page_size, self.kv_dtype)
+    self.alloc = PageAllocator(num_pages)
+    context = model_config.max_position_embeddings
+    self.max_seq_len = min(config.max_seq_len or context, context)
+    self.max_pages = cdiv(self.max_seq_len, self.page_size)
+    self._slots = _host_slots(config.num_slots, self.max_pages, config.max_stop_ids)
+    self._seqs: list[PagedSequence | None] = [None] * config.num_slots
+    self._final_len = np.zeros((config.num_slots,), np.int64)  # Most tokens a slot writes.
+
+  @classmethod
+  def from_model(cls, model: Transformer, config: EngineConfig = EngineConfig(), *,
+                 version: int = 0) -> "Engine":
+    return cls(model.config, params_of(model), config, version=version)
+
+  # ------------------------------------------------------------------ weights
+
+  def set_weights(self, params, version: int) -> None:
+    """Uses `params` (a `params_of(model)` dict) from the next device call on."""
+    want = jax.tree.structure(params_of(_template(self.model_config)))
+    if jax.tree.structure(params) != want:
+      raise UserError("set_weights: the parameter tree does not match the model config")
+    self.params = jax.tree.map(jnp.asarray, params)
+    self.version = int(version)
+
+  # ------------------------------------------------------------------ queries
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.num_slots
+
+  @property
+  def pages_in_use(self) -> int:
+    return self.alloc.in_use
+
+  def private_pages(self, prompt_len: int, max_tokens: int) -> int:
+    """Pages one sample may need beyond the shared full prompt pages.
+
+    The last completion token's K/V is never written, so a sample writes at most
+    prompt_len + max_tokens - 1 tokens; the partial prompt page is its own copy.
+    """
+    ps = self.page_size
+    return cdiv(prompt_len + max_tokens - 1, ps) - prompt_len // ps
+
+  def max_group_size(self, prompt_len: int, max_tokens: int) -> int:
+    """Most samples of one prompt that fit in the pool together (0: not even one)."""
+    room = self.alloc.usable - cdiv(prompt_len, self.page_size)
+    room += 1 if prompt_len % self.page_size else 0  # See new_prefix.
+    private = self.private_pages(prompt_len, max_tokens)
+    if room < private or room < 0:
+      return 0
+    return room // private if private else 1 << 30
+
+  def validate(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    """Raises UserError for a request this engine can never serve."""
+    context = self.model_config.max_position_embeddings
+    if len(prompt) == 0:
+      raise UserError("the prompt is empty after tokenization")
+    if len(prompt) + sampling.max_tokens > context:
+      raise UserError(f"the prompt has {len(prompt)} tokens; with max_new_tokens="
+                      f"{sampling.max_tokens} it exceeds the model's context of {context} tokens")
+    if len(prompt) + sampling.max_tokens > self.max_seq_len:
+      raise UserError(f"the prompt has {len(prompt)} tokens; with max_new_tokens="
+                      f"{sampling.max_tokens} it exceeds the engine's max_seq_len of "
+                      f"{self.max_seq_len} tokens")
+    if min(prompt) < 0 or max(prompt) >= self.model_config.vocab_size:
+      raise UserError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+    if len(sampling.stop_ids) > self.config.max_stop_ids:
+      raise UserError(f"{len(sampling.stop_ids)} stop ids; the engine takes at most "
+                      f"{self.config.max_stop_ids} (EngineConfig.max_stop_ids)")
+    if self.max_group_size(len(prompt), sampling.max_tokens) == 0:
+      raise UserError(f"a prompt of {len(prompt)} tokens with max_new_tokens="
+                      f"{sampling.max_tokens} needs more KV pages than the pool's "
+                      f"{self.alloc.usable}")
+
+  # ------------------------------------------------------------------ prefill
+
+  def new_prefix(self, prompt: Sequence[int], sampling: SamplingParams, seed: int,
+                 sample_ids: Sequence[int]) -> Prefix | None:
+    """Reserves every page the prompt and its samples may need; None if the pool is short.
+
+    The caller validates the request first (`validate`).
+    """
+    prompt = np.asarray(prompt, np.int32)
+    private = self.private_pages(len(prompt), sampling.max_tokens)
+    need = cdiv(len(prompt), self.page_size) + len(sample_ids) * private
+    if len(prompt) % self.page_size:
+      need -= 1  # The last sample inherits the partial prompt page instead of copying it.
+    if not self.alloc.reserve(need):
+      return None
+    seq = PagedSequence(self.alloc, self.page_size, reserved=need)
+    seq.grow(len(prompt))
+    return Prefix(prompt, sampling, int(seed), tuple(int(i) for i in sample_ids), seq, private)
+
+  def prefill(self, prefix: Prefix) -> bool:
+    """Writes the next chunk of the prompt; True once the prompt is done and first tokens drawn."""
+    p, start = len(prefix.prompt), prefix.prefilled
+    n = min(self.config.prefill_chunk, p - start)
+    chunk = min(max(_pow2_at_least(n), _MIN_CHUNK), self.config.prefill_chunk)
+    tokens = np.zeros((1, chunk), np.int32)
+    tokens[0, :n] = prefix.prompt[start:start + n]
+    width = self._table_width(cdiv(start + n, self.page_size))
+    row = prefix.seq.table_row(self.max_pages)[None, :width]
+    self.pool, logits = _prefill(self.params, self.pool, tokens, np.array([start], np.int32),
+                                 np.array([n], np.int32), row, cfg=self.model_config)
+    prefix.prefilled += n
+    if prefix.prefilled == p:
+      self._draw_first_tokens(prefix, logits)
+    return prefix.done
+
+  def _draw_first_tokens(self, prefix: Prefix, logits) -> None:
+    k = len(prefix.sample_ids)
+    kp = max(_pow2_at_least(k), self.config.num_slots)  # Padded: few compiled shapes.
+    s = prefix.sampling
+    ids = np.zeros((kp,), np.int32)
+    ids[:k] = prefix.sample_ids
+    tok, lp = jax.device_get(_sample_first(
+        logits, np.full((kp,), prefix.seed, np.uint32), ids,
+        np.full((kp,), s.temperature, np.float32), np.full((kp,), s.top_k, np.int32),
+        np.full((kp,), s.top_p, np.float32)))
+    prefix.first_tokens, prefix.first_logprobs = tok[:k], lp[:k]
+    prefix.first_version = self.version
+
+  # ------------------------------------------------------------------ insert
+
+  def insert(self, prefix: Prefix, slot: int) -> None:
+    self.bulk_insert(prefix, [slot])
+
+  def bulk_insert(self, prefix: Prefix, slots: Sequence[int]) -> None:
+    """Hands the prefix's next len(slots) samples to these free slots, in order."""
+    assert prefix.done and len(slots) <= prefix.remaining, (prefix.done, len(slots))
+    copies = []
+    for slot in slots:
+      assert self._seqs[slot] is None, f"slot {slot} is busy"
+      i = prefix.next_sample
+      assert not prefix.finishes_at_first(i), "a finished sample needs no slot: use skip"
+      seq = prefix.seq.fork(self._sample_reservation(prefix))
+      self._consume(prefix)
+      pair = seq.make_tail_writable(len(prefix.prompt))
+      if pair is not None:
+        copies.append(pair)
+      self._seqs[slot] = seq
+      self._fill_slot(slot, prefix, i, seq)
+    if copies:
+      src, dst = (np.array(c, np.int32) for c in zip(*copies))
+      pad = _pow2_at_least(len(src)) - len(src)
+      src, dst = np.pad(src, (0, pad)), np.pad(dst, (0, pad))  # Padding copies 0 -> 0.
+      self.pool = copy_pages(self.pool, src, dst)
+
+  def skip(self, prefix: Prefix) -> None:
+    """Consumes the prefix's next sample, which finished at its first token."""
+    assert prefix.done and prefix.remaining > 0 and prefix.finishes_at_first(prefix.next_sample)
+    prefix.seq.drop_reservation(self._sample_reservation(prefix))
+    self._consume(prefix)
+
+  @staticmethod
+  def _sample_reservation(prefix: Prefix) -> int:
+    """Pages promised to the next sample: the last one gets what is left (one page less
+    when it inherits the partial prompt page)."""
+    return prefix.private_pages if prefix.remaining > 1 else prefix.seq.reserved
+
+  def _consume(self, prefix: Prefix) -> None:
+    prefix.next_sample += 1
+    if prefix.remaining == 0:  # The prompt's own references go; the samples keep theirs.
+      prefix.seq.free()
+
+  def _fill_slot(self, slot: int, prefix: Prefix, i: int, seq: PagedSequence) -> None:
+    s, sp, p = self._slots, prefix.sampling, len(prefix.prompt)
+    s.tokens[slot], s.lengths[slot], s.num_generated[slot] = prefix.first_tokens[i], p, 1
+    s.max_tokens[slot], s.active[slot] = sp.max_tokens, True
+    s.page_table[slot] = seq.table_row(self.max_pages)
+    s.seeds[slot], s.sample_ids[slot] = prefix.seed, prefix.sample_ids[i]
+    s.temperature[slot], s.top_k[slot], s.top_p[slot] = sp.temperature, sp.top_k, sp.top_p
+    s.stop_ids[slot] = -1
+    s.stop_ids[slot, :len(sp.stop_ids)] = sp.stop_ids
+    self._final_len[slot] = p + sp.max_tokens - 1
+
+  # ------------------------------------------------------------------ decode
+
+  def generate(self) -> ResultTokens:
+    """Runs `decode_steps` decode steps for every active slot in one device call."""
+    s, steps = self._slots, self.config.decode_steps
+    widest = 1
+    for slot in np.flatnonzero(s.active):
+      seq = self._seqs[slot]
+      seq.grow(int(min(s.lengths[slot] + steps, self._final_len[slot])))
+      s.page_table[slot, :len(seq.pages)] = seq.pages
+      widest = max(widest, len(seq.pages))
+    state = s._replace(page_table=s.page_table[:, :self._table_width(widest)])
+    self.pool, st, tokens, logprobs = _decode_loop(self.params, self.pool, state,
+                                                   cfg=self.model_config, steps=steps)
+    st, tokens, logprobs = jax.device_get((st, tokens, logprobs))
+    was_active = s.active.copy()
+    for name in ("tokens", "lengths", "num_generated", "active"):
+      getattr(s, name)[:] = getattr(st, name)
+    return ResultTokens(tokens, logprobs, was_active & ~s.active, self.version)
+
+  def _table_width(self, pages: int) -> int:
+    width = max(_pow2_at_least(pages), self.config.min_table_pages)
+    return min(width, self.max_pages)
+
+  def free_resource(self, slot: int) -> None:
+    """Returns the slot's pages to the pool and marks the slot free."""
+    seq = self._seqs[slot]
+    if seq is not None:
+      seq.free()
+    self._seqs[slot] = None
+    self._slots.active[slot] = False
+    self._slots.page_table[slot] = TRASH_PAGE
+
+  def slot_pages(self, slot: int) -> list[int]:
+    seq = self._seqs[slot]
+    return [] if seq is None else list(seq.pages)
+
+
+# ---------------------------------------------------------------------- high-level API
+
+
+def request_seed(base_seed: int, index: int) -> int:
+  """The seed of the index-th request of a call whose requests carry none."""
+  return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
+
+
+def generate(engine: Engine, requests: Sequence[Request | Sequence[int]], *, n: int = 1,
+             sampling: SamplingParams = SamplingParams(),
+             scheduler: SchedulerConfig = SchedulerConfig()) -> list[list[Completion]]:
+  """Draws n completions per request with continuous batching.
+
+  Args:
+    engine: the engine (its weights and version are used as they are).
+    requests: Request objects, or bare prompt id lists.
+    n: samples per request; the prompt is prefilled once and its pages shared.
+    sampling: settings for requests that carry none; also the base seed for requests
+      without a seed (request i gets request_seed(sampling.seed, i)).
+    scheduler: prefill/decode interleaving.
+
+  Returns:
+    For each request, its n Completions (tokens, behaviour logprobs, finish reason,
+    weight versions).
+  """
+  if n < 1:
+    raise UserError(f"n must be >= 1, got {n}")
+  sched = Scheduler(engine, scheduler)
+  ids = []
+  for i, req in enumerate(requests):
+    if not isinstance(req, Request):
+      req = Request(tuple(req))
+    seed = req.seed if req.seed is not None else request_seed(sampling.seed, i)
+    ids.append(sched.submit(req.prompt, req.sampling or sampling, n=n, seed=seed))
+  results = sched.run()
+  return [results[i] for i in ids]

@@ -1,0 +1,228 @@
+"""Continuous batching over an engine's decode slots, with chunked prefill.
+
+Each `step` does, in order:
+
+1. admit: waiting requests become prefixes (their pages reserved) while there are more
+   free slots than samples already on their way to one;
+2. prefill: prompt chunks, at most `prefill_tokens_per_step` tokens while any slot is
+   decoding (so a long prompt never stalls decoding for more than that), unbounded while
+   nothing decodes;
+3. insert: prefilled samples enter free slots (samples done at their first token skip);
+4. decode: one engine call of `decode_steps` steps over all slots; finished slots are freed
+   at once, so the next step refills them.
+
+A request whose pages the pool cannot promise yet waits at the head of the queue (first come,
+first served); it never fails for want of memory and never takes a live sequence's pages.
+Groups of samples larger than the pool can ever hold are split into groups that fit (each
+prefills the prompt once).
+
+The scheduler knows the engine only through its methods (new_prefix, prefill, bulk_insert,
+skip, generate, free_resource, validate, max_group_size, max_concurrent_decodes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """Attributes:
+    prefill_tokens_per_step: prompt tokens prefilled between two decode calls while some
+      slot is decoding (at least one chunk is always done).
+  """
+
+  prefill_tokens_per_step: int = 512
+
+  def __post_init__(self):
+    if self.prefill_tokens_per_step < 1:
+      raise UserError(f"scheduler config: prefill_tokens_per_step must be >= 1, "
+                      f"got {self.prefill_tokens_per_step}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A prompt, with optional per-request sampling settings and seed (taken mod 2**32)."""
+
+  prompt: tuple[int, ...]
+  sampling: SamplingParams | None = None
+  seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One sample.
+
+  Attributes:
+    tokens: completion ids (a stop token, if one ended it, is the last).
+    logprobs: behaviour log-probability of each token.
+    finish_reason: "stop" or "length".
+    versions: the weight version that produced each token.
+  """
+
+  tokens: tuple[int, ...]
+  logprobs: tuple[float, ...]
+  finish_reason: str
+  versions: tuple[int, ...]
+
+  @property
+  def weight_version(self) -> int:
+    """The oldest weights any token came from (the staleness that matters)."""
+    return min(self.versions)
+
+
+@dataclasses.dataclass
+class _Group:
+  rid: int
+  prompt: np.ndarray
+  sampling: SamplingParams
+  seed: int
+  sample_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Running:
+  rid: int
+  sample: int
+  stop_ids: frozenset
+  tokens: list
+  logprobs: list
+  versions: list
+
+  def completion(self) -> Completion:
+    reason = "stop" if self.tokens[-1] in self.stop_ids else "length"
+    return Completion(tuple(self.tokens), tuple(self.logprobs), reason, tuple(self.versions))
+
+
+class Scheduler:
+  """Drives an engine: a FIFO of requests, chunked prefill, continuous batching."""
+
+  def __init__(self, engine: Any, config: SchedulerConfig = SchedulerConfig()):
+    self.engine, self.config = engine, config
+    self.waiting: collections.deque[_Group] = collections.deque()
+    self.prefilling: collections.deque = collections.deque()  # (group, prefix)
+    self.ready: collections.deque = collections.deque()  # (group, prefix), prefilled
+    self.slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+    self.results: dict[int, list[Completion | None]] = {}
+    self.stats = collections.Counter()
+    self._next_id = 0
+
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, n: int = 1,
+             seed: int = 0) -> int:
+    """Queues n samples of a prompt; returns the request id. Raises UserError if the
+    engine can never serve it."""
+    prompt = np.asarray(list(prompt), np.int32)
+    self.engine.validate(prompt, sampling)
+    rid, self._next_id = self._next_id, self._next_id + 1
+    self.results[rid] = [None] * n
+    size = min(n, self.engine.max_group_size(len(prompt), sampling.max_tokens))
+    for first in range(0, n, size):
+      ids = tuple(range(first, min(first + size, n)))
+      self.waiting.append(_Group(rid, prompt, sampling, int(seed) % (1 << 32), ids))
+    return rid
+
+  @property
+  def idle(self) -> bool:
+    return not (self.waiting or self.prefilling or self.ready or self._busy())
+
+  def _busy(self) -> bool:
+    return any(r is not None for r in self.slots)
+
+  def step(self) -> list[tuple[int, int, Completion]]:
+    """One round of admit, prefill, insert, decode; returns (request id, sample, completion)
+    for every sample that finished."""
+    self._admit()
+    self._prefill()
+    finished = self._insert()
+    if self._busy():
+      finished += self._decode()
+    for rid, i, completion in finished:
+      self.results[rid][i] = completion
+    return finished
+
+  def run(self) -> dict[int, list[Completion]]:
+    """Steps until every submitted request is done; returns all results by request id."""
+    while not self.idle:
+      self.step()
+    return self.results
+
+  def _admit(self) -> None:
+    free = sum(r is None for r in self.slots)
+    pending = sum(p.remaining for _, p in (*self.prefilling, *self.ready))
+    while self.waiting and pending < free:
+      g = self.waiting[0]
+      prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids)
+      if prefix is None:
+        self.stats["admission_waits"] += 1
+        return
+      self.waiting.popleft()
+      self.prefilling.append((g, prefix))
+      pending += len(g.sample_ids)
+
+  def _prefill(self) -> None:
+    budget = self.config.prefill_tokens_per_step if self._busy() else float("inf")
+    while self.prefilling and budget > 0:
+      g, prefix = self.prefilling[0]
+      before = prefix.prefilled
+      done = self.engine.prefill(prefix)
+      budget -= prefix.prefilled - before
+      self.stats["prefill_chunks"] += 1
+      if done:
+        self.ready.append(self.prefilling.popleft())
+
+  def _insert(self) -> list[tuple[int, int, Completion]]:
+    finished = []
+    free = collections.deque(i for i, r in enumerate(self.slots) if r is None)
+    while self.ready and free:
+      g, prefix = self.ready[0]
+      batch = []
+      while prefix.remaining > len(batch) and free:
+        j = prefix.next_sample + len(batch)
+        if not prefix.finishes_at_first(j):
+          batch.append(free.popleft())
+          continue
+        self._bulk_insert(g, prefix, batch)
+        batch = []
+        finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
+        self.engine.skip(prefix)
+      self._bulk_insert(g, prefix, batch)
+      if prefix.remaining == 0:
+        self.ready.popleft()
+    return finished
+
+  def _first_only(self, g: _Group, prefix, j: int) -> _Running:
+    return _Running(g.rid, g.sample_ids[j], frozenset(g.sampling.stop_ids),
+                    [int(prefix.first_tokens[j])], [float(prefix.first_logprobs[j])],
+                    [prefix.first_version])
+
+  def _bulk_insert(self, g: _Group, prefix, slots: list[int]) -> None:
+    if not slots:
+      return
+    first = prefix.next_sample
+    self.engine.bulk_insert(prefix, slots)
+    for k, slot in enumerate(slots):
+      self.slots[slot] = self._first_only(g, prefix, first + k)
+
+  def _decode(self) -> list[tuple[int, int, Completion]]:
+    out = self.engine.generate()
+    self.stats["decode_calls"] += 1
+    finished = []
+    for slot, run in enumerate(self.slots):
+      if run is None:
+        continue
+      produced = out.tokens[slot] >= 0
+      run.tokens.extend(out.tokens[slot][produced].tolist())
+      run.logprobs.extend(out.logprobs[slot][produced].tolist())
+      run.versions.extend([out.version] * int(produced.sum()))
+      if out.finished[slot]:
+        finished.append((run.rid, run.sample, run.completion()))
+        self.engine.free_resource(slot)
+        self.slots[slot] = None
+    return finished

@@ -1,0 +1,74 @@
+"""Shared builders for the rollout tests: one tiny float32 model and one engine shape.
+
+Every test engine has the same shapes (slots, decode steps, page size, pool size, table
+width), so the jitted prefill/decode functions compile once per test process.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.models import ModelConfig
+from jaxrl_post.models.transformer import init_model, params_of, with_params
+from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
+
+CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, compute_dtype="float32",
+                  max_position_embeddings=128)
+PAGE_SIZE = 4
+NUM_PAGES = 64
+ENGINE = EngineConfig(num_slots=4, decode_steps=8, prefill_chunk=16, min_table_pages=32,
+                      pool=PoolConfig(page_size=PAGE_SIZE, num_pages=NUM_PAGES))
+
+
+@functools.lru_cache(maxsize=None)
+def model(seed: int = 1):
+  return init_model(CFG, seed=seed)
+
+
+def engine(version: int = 0, **changes) -> Engine:
+  return Engine.from_model(model(), dataclasses.replace(ENGINE, **changes), version=version)
+
+
+def prompts(rng, lengths):
+  return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def _full_forward():
+  @jax.jit
+  def run(params, tokens):  # [T] -> [T, V] float32
+    m = with_params(model(), params)
+    positions = jnp.arange(tokens.shape[0])[None]
+    return m.logits(m(tokens[None], positions))[0]
+  return run
+
+
+def completion_logits(prompt, tokens):  # -> [len(tokens), V] logits that predicted each token
+  """Logits of a full (non-cached) forward over prompt + completion."""
+  seq = np.asarray(list(prompt) + list(tokens), np.int32)
+  logits = np.asarray(_full_forward()(params_of(model()), jnp.asarray(seq)), np.float64)
+  return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+def log_softmax(x):  # [..., V] float64
+  x = x - x.max(axis=-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def truncated_logprobs(logits, temperature, top_k=0, top_p=1.0):  # [N, V] -> [N, V], -inf cut
+  """The renormalised distribution after temperature, top-k, then top-p (float64)."""
+  scaled = logits / temperature
+  out = np.full_like(scaled, -np.inf)
+  for i, row in enumerate(scaled):
+    order = np.argsort(-row, kind="stable")
+    k = top_k if top_k > 0 else row.size
+    kept = order[:k]
+    p = np.exp(log_softmax(row[kept]))
+    mass_before = np.cumsum(p) - p
+    kept = kept[mass_before < top_p]
+    out[i, kept] = log_softmax(row[kept])
+  return out

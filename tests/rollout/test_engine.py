@@ -1,0 +1,134 @@
+"""The engine against the dense-cache reference decoder and a full forward."""
+
+import numpy as np
+import pytest
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.decode import generate_dense
+from jaxrl_post.models.transformer import init_model, params_of
+from jaxrl_post.rollout import Request, SamplingParams, Scheduler, SchedulerConfig, generate
+from tests.rollout import helpers as H
+
+LOGPROB_TOL = 1e-4  # float32: the same maths as the full forward, summed in another order.
+STOPS = (5, 11)
+
+
+def test_greedy_matches_dense_reference_token_for_token():
+  rng = np.random.default_rng(0)
+  # Lengths below, at and across page and chunk boundaries (page 4, chunk 16).
+  prompts = H.prompts(rng, [1, 3, 4, 9, 16, 17, 38])
+  sampling = SamplingParams(temperature=0.0, max_tokens=24, stop_ids=STOPS)
+  out = generate(H.engine(), prompts, n=3, sampling=sampling)
+  ref = generate_dense(H.model(), prompts, max_new_tokens=24, stop_ids=STOPS)
+  reasons = set()
+  for i, samples in enumerate(out):
+    assert len(samples) == 3
+    for c in samples:
+      assert list(c.tokens) == ref.tokens[i], i
+      assert c.finish_reason == ref.finish_reasons[i]
+      np.testing.assert_allclose(c.logprobs, ref.logprobs[i], atol=LOGPROB_TOL)
+      reasons.add(c.finish_reason)
+  assert reasons == {"stop", "length"}  # Both ways of finishing were exercised.
+
+
+def _check_behaviour_logprobs(prompts, out, temperature, top_k=0, top_p=1.0):
+  checked = 0
+  for prompt, samples in zip(prompts, out):
+    for c in samples:
+      logits = H.completion_logits(prompt, c.tokens)
+      want = H.truncated_logprobs(logits, temperature, top_k, top_p)
+      picked = want[np.arange(len(c.tokens)), list(c.tokens)]
+      assert np.all(np.isfinite(picked)), "a token outside the kept set was sampled"
+      np.testing.assert_allclose(c.logprobs, picked, atol=LOGPROB_TOL)
+      checked += len(c.tokens)
+  return checked
+
+
+def test_temperature_logprobs_equal_full_forward():
+  prompts = H.prompts(np.random.default_rng(1), [2, 7, 19])
+  sampling = SamplingParams(temperature=0.7, max_tokens=20, seed=3)
+  out = generate(H.engine(), prompts, n=2, sampling=sampling)
+  assert _check_behaviour_logprobs(prompts, out, 0.7) == 3 * 2 * 20
+  assert len({c.tokens for s in out for c in s}) == 6  # Samples differ from each other.
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (12, 0.6)])
+def test_truncated_logprobs_equal_the_renormalised_distribution(top_k, top_p):
+  prompts = H.prompts(np.random.default_rng(2), [5, 13])
+  sampling = SamplingParams(temperature=1.3, top_k=top_k, top_p=top_p, max_tokens=16, seed=4)
+  out = generate(H.engine(), prompts, n=2, sampling=sampling)
+  _check_behaviour_logprobs(prompts, out, 1.3, top_k, top_p)
+
+
+def test_a_requests_tokens_do_not_depend_on_the_batch():
+  rng = np.random.default_rng(3)
+  target, others = H.prompts(rng, [9]), H.prompts(rng, [3, 14, 6, 21, 8])
+  sampling = SamplingParams(temperature=1.0, top_k=20, max_tokens=20)
+  request = Request(tuple(target[0]), seed=1234)
+  alone = generate(H.engine(), [request], n=2, sampling=sampling)[0]
+  # Last, so it lands in other slots, next to sequences of every length.
+  crowd = generate(H.engine(), [*others, request], n=2, sampling=sampling)[-1]
+  assert [c.tokens for c in alone] == [c.tokens for c in crowd]
+  np.testing.assert_allclose([c.logprobs for c in alone], [c.logprobs for c in crowd],
+                             atol=LOGPROB_TOL)
+  other_seed = generate(H.engine(), [Request(tuple(target[0]), seed=99)], n=2,
+                        sampling=sampling)[0]
+  assert [c.tokens for c in other_seed] != [c.tokens for c in alone]
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_calls():
+  rng = np.random.default_rng(4)
+  short, long = H.prompts(rng, [3, 60])  # 60 tokens = 4 chunks of 16.
+  eng = H.engine()
+  sched = Scheduler(eng, SchedulerConfig(prefill_tokens_per_step=16))
+  greedy = SamplingParams(temperature=0.0, max_tokens=60)
+  sched.submit(short, greedy, seed=0)
+  sched.step()  # Nothing decodes yet: prefill the short prompt, insert it, decode.
+  sched.submit(long, greedy, seed=0)
+  progress = []
+  while not sched.ready and not any(r is not None and r.rid == 1 for r in sched.slots):
+    sched.step()
+    running = next(r for r in sched.slots if r is not None and r.rid == 0)
+    progress.append(len(running.tokens))
+  # One chunk per step while the short request decodes, its tokens growing every step.
+  assert len(progress) == 4 and all(a < b for a, b in zip(progress, progress[1:]))
+  results = sched.run()
+  ref = generate_dense(H.model(), [short, long], max_new_tokens=60)
+  assert [list(r[0].tokens) for r in (results[0], results[1])] == ref.tokens
+
+
+def test_weight_swap_between_calls_stamps_versions():
+  prompt = H.prompts(np.random.default_rng(5), [6])[0]
+  greedy = SamplingParams(temperature=0.0, max_tokens=30)
+  new = params_of(init_model(H.CFG, seed=2))
+
+  def run(swap):
+    eng = H.engine(version=7)
+    sched = Scheduler(eng)
+    sched.submit(prompt, greedy, seed=0)
+    sched.step()
+    if swap:
+      eng.set_weights(new, version=8)
+    return sched.run()[0][0]
+
+  kept, swapped = run(False), run(True)
+  first = 1 + H.ENGINE.decode_steps  # The first token comes from prefill, then one call.
+  assert swapped.versions == (7,) * first + (8,) * (30 - first)
+  assert swapped.weight_version == 7 and set(kept.versions) == {7}
+  # The swapped-in weights are the ones decoding from the next call on.
+  assert swapped.tokens[:first] == kept.tokens[:first]
+  assert swapped.tokens[first:] != kept.tokens[first:]
+  with pytest.raises(UserError, match="parameter tree"):
+    H.engine().set_weights({"embed": new["embed"]}, version=9)
+
+
+def test_requests_the_engine_cannot_serve_are_user_errors():
+  eng = H.engine()
+  with pytest.raises(UserError, match="exceeds the model's context of 128 tokens"):
+    generate(eng, [[1] * 100], sampling=SamplingParams(max_tokens=40))
+  with pytest.raises(UserError, match="empty"):
+    generate(eng, [[]])
+  with pytest.raises(UserError, match="token ids"):
+    generate(eng, [[H.CFG.vocab_size]])
+  with pytest.raises(UserError, match="top_p"):
+    SamplingParams(top_p=0.0)

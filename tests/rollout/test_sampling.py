@@ -1,0 +1,82 @@
+"""sample(): per-row settings, truncation, behaviour logprobs and per-request keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.rollout.sampling import sample, token_keys
+from tests.rollout import helpers as H
+
+V = 50
+# Rows: greedy, plain temperature, top-k, top-p, both, greedy with (ignored) truncation.
+TEMPERATURE = np.array([0.0, 0.8, 1.0, 1.5, 0.6, 0.0], np.float32)
+TOP_K = np.array([0, 0, 7, 0, 10, 3], np.int32)
+TOP_P = np.array([1.0, 1.0, 1.0, 0.7, 0.9, 0.5], np.float32)
+
+
+def _draw(logits, seeds, token_index, reps=1):
+  """Draws for every row, `reps` times with token indices token_index, token_index + 1..."""
+  b = logits.shape[0]
+  t = np.repeat(token_index + np.arange(reps), b)
+  keys = token_keys(jnp.asarray(np.tile(seeds, reps), jnp.uint32),
+                    jnp.zeros((b * reps,), jnp.int32), jnp.asarray(t, jnp.int32))
+  tile = lambda x: np.tile(x, (reps,) + (1,) * (x.ndim - 1))
+  tok, lp = jax.jit(sample)(jnp.asarray(tile(logits)), keys, tile(TEMPERATURE), tile(TOP_K),
+                            tile(TOP_P))
+  return np.asarray(tok).reshape(reps, b), np.asarray(lp).reshape(reps, b)  # [reps, B] x2
+
+
+def _want_logprobs(logits):  # [B, V] -> [B, V], -inf outside each row's kept set
+  rows = []
+  for i, row in enumerate(logits.astype(np.float64)):
+    if TEMPERATURE[i] == 0:
+      rows.append(H.log_softmax(row))
+    else:
+      rows.append(H.truncated_logprobs(row[None], TEMPERATURE[i], TOP_K[i], TOP_P[i])[0])
+  return np.stack(rows)
+
+
+def test_tokens_and_logprobs_follow_each_rows_settings():
+  rng = np.random.default_rng(0)
+  logits = (2.0 * rng.normal(size=(len(TEMPERATURE), V))).astype(np.float32)
+  want = _want_logprobs(logits)
+  kept = np.isfinite(want).sum(axis=1)
+  assert kept[2] == 7 and kept[4] <= 10 and 1 < kept[3] < V  # Truncation did cut.
+  for t in range(20):
+    (tok,), (lp,) = _draw(logits, np.arange(len(TEMPERATURE)), t)
+    assert tok[0] == np.argmax(logits[0]) and tok[5] == np.argmax(logits[5])
+    picked = want[np.arange(len(tok)), tok]
+    assert np.all(np.isfinite(picked))
+    np.testing.assert_allclose(lp, picked, atol=1e-5)
+
+
+def test_draws_follow_the_truncated_distribution():
+  rng = np.random.default_rng(1)
+  row = (1.5 * rng.normal(size=(V,))).astype(np.float32)
+  logits = np.tile(row, (len(TEMPERATURE), 1))
+  drawn = TEMPERATURE > 0  # Greedy rows report model logprobs but always take the argmax.
+  want = np.exp(_want_logprobs(logits))[drawn]
+  n = 3000
+  counts = np.zeros_like(want)
+  tok, _ = _draw(logits, [7] * len(TEMPERATURE), 0, reps=n)  # [n, B]
+  for i, row in enumerate(np.flatnonzero(drawn)):
+    counts[i] = np.bincount(tok[:, row], minlength=V)
+  freq = counts / n
+  # 5 standard errors of a binomial frequency: fails for a wrong distribution, not by chance.
+  bound = 5 * np.sqrt(want * (1 - want) / n) + 1e-9
+  assert np.all(np.abs(freq - want) <= bound)
+  assert np.all(counts[want == 0] == 0)
+
+
+def test_keys_depend_on_seed_sample_and_token_index_only():
+  def data(seeds, samples, t):
+    return np.asarray(jax.random.key_data(token_keys(
+        jnp.asarray(seeds, jnp.uint32), jnp.asarray(samples, jnp.int32),
+        jnp.asarray(t, jnp.int32))))
+  a = data([5, 5, 5, 6], [0, 1, 0, 0], [3, 3, 4, 3])
+  b = data([6, 5], [0, 0], [3, 3])  # Same (seed, sample, t) in other rows.
+  np.testing.assert_array_equal(a[3], b[0])
+  np.testing.assert_array_equal(a[0], b[1])
+  assert len({tuple(r) for r in a}) == 4
+  want = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 1), 3)
+  np.testing.assert_array_equal(a[1], np.asarray(jax.random.key_data(want)))

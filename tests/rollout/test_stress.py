@@ -1,0 +1,51 @@
+"""Hundreds of random requests through a pool too small for them all at once."""
+
+import numpy as np
+
+from jaxrl_post.models.decode import generate_dense
+from jaxrl_post.rollout import SamplingParams, Scheduler
+from tests.rollout import helpers as H
+
+STOPS = (3, 17)
+
+
+def test_random_requests_all_finish_exactly_and_leak_no_pages():
+  rng = np.random.default_rng(7)
+  eng = H.engine()
+  sched = Scheduler(eng)
+  n_requests, max_new = 240, 40
+  lengths = rng.integers(1, 41, size=n_requests)
+  prompts = H.prompts(rng, lengths)
+  max_tokens = rng.integers(1, max_new + 1, size=n_requests)
+  samples = rng.integers(1, 4, size=n_requests)
+  greedy = rng.random(n_requests) < 0.7  # The rest sample, sharing slots and pages with them.
+  ids = []
+  for i in range(n_requests):
+    sp = SamplingParams(temperature=0.0 if greedy[i] else 1.0, top_p=0.9,
+                        max_tokens=int(max_tokens[i]), stop_ids=STOPS)
+    ids.append(sched.submit(prompts[i], sp, n=int(samples[i]), seed=i))
+  most_committed = 0  # Pages in use or promised.
+  while not sched.idle:
+    sched.step()
+    most_committed = max(most_committed, eng.alloc.usable - eng.alloc.available)
+    assert eng.pages_in_use + eng.alloc.available + eng.alloc.reserved == eng.alloc.usable
+  results = sched.run()
+
+  # The pool ran out (requests waited for pages) and nothing leaked.
+  assert sched.stats["admission_waits"] > 0 and most_committed > 0.8 * eng.alloc.usable
+  assert eng.pages_in_use == 0 and eng.alloc.reserved == 0
+  assert eng.alloc.refcount[1:].max() == 0
+  # Every sample finished; greedy ones equal the dense reference, so no sequence's K/V was
+  # ever overwritten by another's.
+  ref = generate_dense(H.model(), prompts, max_new_tokens=max_new, stop_ids=STOPS)
+  for i, rid in enumerate(ids):
+    out = results[rid]
+    assert len(out) == samples[i] and all(c is not None for c in out)
+    for c in out:
+      assert 1 <= len(c.tokens) <= max_tokens[i] and len(c.logprobs) == len(c.tokens)
+      stopped = c.tokens[-1] in STOPS
+      assert c.finish_reason == ("stop" if stopped else "length")
+      assert stopped or len(c.tokens) == max_tokens[i]
+      assert not any(t in STOPS for t in c.tokens[:-1])
+      if greedy[i]:
+        assert list(c.tokens) == ref.tokens[i][:max_tokens[i]], i
