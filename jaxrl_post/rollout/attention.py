@@ -1,31 +1,45 @@
 """Attention against the paged KV pool: the decode step and the prefill chunk.
 
-The pool holds every layer: ``[L, Hkv, num_pages, page_size, D]`` per K and V, one KV head's
-pages contiguous (the layout of jaxrl_post.kernels.paged_attention, with a leading layer
-axis). The functions take the whole pool plus a layer index rather than one layer's slice:
-inside the scanned layer loop a slice ``pool[layer]`` would be a copy of that layer's pool
-per step, while indexing the stacked pool gathers only the pages a sequence owns.
+The pool holds every layer: ``[Hkv, L, num_pages, page_size, D]`` per K and V. The
+functions take the whole pool plus a layer index rather than one layer's slice: inside the
+scanned layer loop a slice ``pool[:, layer]`` would be a copy of that layer's pool per step.
+Reshaped to ``[Hkv, L * num_pages, page_size, D]`` (free: the layout is contiguous) it is
+exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's page p at
+``l * num_pages + p``, so the decode kernel reads it directly.
 
-Both functions are plain jnp: gather the sequence's pages, mask by length, float32 softmax.
-`paged_decode_attention` is the one the decode loop calls on every step; swapping in the
-Pallas kernel is its one `return` line (see its docstring).
+Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
+pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
+sliding-window models, which the kernel does not cover. Prefill stays plain jnp.
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
+from jaxrl_post.kernels import paged_attention
 from jaxrl_post.models.layers import MASK_VALUE
 
 
-def gather_pages(pool, layer, page_table):  # [L, Hkv, P, ps, D], [], [B, M] -> [B, Hkv, M*ps, D]
+def use_kernel_default() -> bool:
+  return jax.default_backend() in ("gpu", "tpu")
+
+
+def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> [B, Hkv, M*ps, D]
   """Dense keys (or values) of each row's pages, in token order."""
-  pages = pool[layer, :, page_table]  # [B, M, Hkv, ps, D]
-  b, m, hkv, ps, d = pages.shape
-  return pages.transpose(0, 2, 1, 3, 4).reshape(b, hkv, m * ps, d)
+  pages = pool[:, layer, page_table]  # [Hkv, B, M, ps, D]
+  hkv, b, m, ps, d = pages.shape
+  return pages.transpose(1, 0, 2, 3, 4).reshape(b, hkv, m * ps, d)
+
+
+def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths):
+  hkv, n_layers, n_pages, ps, d = k_pool.shape
+  flat = lambda pool: pool.reshape(hkv, n_layers * n_pages, ps, d)
+  return paged_attention(q, flat(k_pool), flat(v_pool), page_table + layer * n_pages, lengths)
 
 
 def _attend(q, k, v, mask):  # [B, T, Hq, D], [B, Hkv, S, D] x2, [B, T, S] -> [B, T, Hq, D]
@@ -47,25 +61,31 @@ def _window(mask, q_pos, k_pos, sliding_window):
   return mask & ((q_pos[..., :, None] - k_pos[..., None, :]) < sliding_window)
 
 
-def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, sliding_window=None):
+def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, sliding_window=None,
+                           use_kernel: Optional[bool] = None):
   """One query token per sequence against its pages: the decode step's attention.
 
   Args:
     q: [B, Hq, D] the query of the token at position ``lengths - 1``.
-    k_pool: [L, Hkv, num_pages, page_size, D] keys of every layer.
-    v_pool: [L, Hkv, num_pages, page_size, D] values.
+    k_pool: [Hkv, L, num_pages, page_size, D] keys of every layer.
+    v_pool: [Hkv, L, num_pages, page_size, D] values.
     layer: scalar int, the layer whose pages to read.
     page_table: [B, M] int32; token t of row b lives in page ``page_table[b, t // page_size]``.
       Entries past a row's length may name any page (they are masked).
     lengths: [B] int32 valid tokens per row, the query's own included (>= 1).
     sliding_window: static; keys older than this many positions are masked (Mistral).
+    use_kernel: static; the Pallas kernel (interpreted on a CPU) instead of plain jnp.
+      None: the kernel on GPU/TPU when there is no sliding window.
 
   Returns:
     [B, Hq, D] in q's dtype.
-
-  To run the Pallas kernel instead (no sliding window), the body becomes
-  ``return kernels.paged_attention(q, k_pool[layer], v_pool[layer], page_table, lengths)``.
   """
+  if use_kernel is None:
+    use_kernel = use_kernel_default() and sliding_window is None
+  if use_kernel:
+    if sliding_window is not None:
+      raise ValueError("the paged attention kernel has no sliding window")
+    return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
   k = gather_pages(k_pool, layer, page_table)  # [B, Hkv, S, D]
   v = gather_pages(v_pool, layer, page_table)
   k_pos = jnp.arange(k.shape[2])[None, :]  # [1, S]
@@ -80,8 +100,8 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_
 
   Args:
     q: [B, T, Hq, D] queries of the chunk's tokens.
-    k_pool: [L, Hkv, num_pages, page_size, D].
-    v_pool: [L, Hkv, num_pages, page_size, D].
+    k_pool: [Hkv, L, num_pages, page_size, D].
+    v_pool: [Hkv, L, num_pages, page_size, D].
     layer: scalar int.
     page_table: [B, M] int32, each row covering at least ``kv_lengths`` tokens.
     positions: [B, T] int32 positions of the queries (causal: key s is seen iff s <= position).

@@ -21,8 +21,9 @@ from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
 
 def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N, Hkv, D] x2
   """Stores N tokens' keys and values at (page, slot); rows aimed at page 0 are discarded."""
-  return KVPool(pool.k.at[layer, :, pages, slots].set(k.astype(pool.k.dtype)),
-                pool.v.at[layer, :, pages, slots].set(v.astype(pool.v.dtype)))
+  k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [Hkv, N, D], as the index yields
+  return KVPool(pool.k.at[:, layer, pages, slots].set(k.astype(pool.k.dtype)),
+                pool.v.at[:, layer, pages, slots].set(v.astype(pool.v.dtype)))
 
 
 def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [B, T]

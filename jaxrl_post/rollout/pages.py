@@ -1,6 +1,6 @@
 """The KV page pool: device arrays sized from a memory budget, and their host-side allocator.
 
-Device side, K and V are each ``[L, Hkv, num_pages, page_size, D]``: a page id means the same
+Device side, K and V are each ``[Hkv, L, num_pages, page_size, D]``: a page id means the same
 tokens in every layer and head, so one page table per sequence serves the whole model.
 Page 0 is never handed out: rows and tokens with nothing to write (free decode slots, the
 padding of a prefill chunk) write there, so a stray write can never land in a live page.
@@ -92,12 +92,15 @@ def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None) ->
 class KVPool(NamedTuple):
   """The device pool of every layer's keys and values."""
 
-  k: jax.Array  # [L, Hkv, num_pages, page_size, D]
-  v: jax.Array  # [L, Hkv, num_pages, page_size, D]
+  # KV head outermost, then layer: reshaped (for free) to [Hkv, L * num_pages, ...], every
+  # layer's pages form one pool of the kernel's layout, and layer l's page p is page
+  # l * num_pages + p, so the decode kernel reads the stacked pool without a per-layer copy.
+  k: jax.Array  # [Hkv, L, num_pages, page_size, D]
+  v: jax.Array  # [Hkv, L, num_pages, page_size, D]
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVPool":
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
