@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxrl_post.kernels import ChunkedLogprobConfig, chunked_logprob
 from jaxrl_post.models import Transformer
 from jaxrl_post.models.transformer import with_params
+from jaxrl_post.rl.packing import gather_completions
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +56,7 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
   lm_head = m.lm_head_weight().astype(hidden.dtype)
   logp, ent = chunked_logprob(hidden.reshape(-1, d), lm_head, inputs.targets.reshape(-1),
                               temperature, config=chunking)
-  gather = lambda x: x.reshape(-1)[inputs.completion_index] * inputs.completion_mask
+  gather = lambda x: gather_completions(x, inputs.completion_index, inputs.completion_mask)
   if with_values:
     return gather(logp), gather(ent), gather(m.values(hidden))
   return gather(logp), gather(ent)

@@ -47,8 +47,15 @@ class PackedBatch:
 
   def gather(self, per_token):  # [R, S] (or [R * S]) -> [B, T]
     """Per-token values of the packed rows in the padded completion layout."""
-    flat = per_token.reshape(-1)
-    return flat[self.completion_index] * self.completion_mask
+    return gather_completions(per_token, self.completion_index, self.completion_mask)
+
+
+def gather_completions(per_token, completion_index, completion_mask):
+  """[R, S] (or [R * S]) per-token values -> [B, T] completion layout, 0 where masked.
+
+  Works on numpy and jax arrays alike; under jax the gradient flows back to the rows.
+  """
+  return per_token.reshape(-1)[completion_index] * completion_mask
 
 
 def _first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:

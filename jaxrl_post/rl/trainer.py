@@ -147,8 +147,9 @@ class Trainer:
                        opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
     out = None
     if self.mesh is not None:
-      state = jax.device_put(state, _state_shardings(state, self.mesh))
-      out = (_state_shardings(state, self.mesh), None)
+      placed = _state_shardings(state, self.mesh)
+      state = jax.device_put(state, placed)
+      out = (placed, None)
     self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames=("on_policy",),
                          out_shardings=out)
     return state

@@ -14,45 +14,30 @@ sliding-window models, which the kernel does not cover. Prefill stays plain jnp.
 
 from __future__ import annotations
 
-import math
-
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_post.kernels import paged_attention
-from jaxrl_post.models.layers import MASK_VALUE
+from jaxrl_post.models import layers as L
 
 
 def use_kernel_default() -> bool:
   return jax.default_backend() in ("gpu", "tpu")
 
 
-def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> [B, Hkv, M*ps, D]
-  """Dense keys (or values) of each row's pages, in token order."""
+def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> [B, M*ps, Hkv, D]
+  """Dense keys (or values) of each row's pages, in token order, in the model's layout."""
   pages = pool[:, layer, page_table]  # [Hkv, B, M, ps, D]
   hkv, b, m, ps, d = pages.shape
-  return pages.transpose(1, 0, 2, 3, 4).reshape(b, hkv, m * ps, d)
+  return pages.transpose(1, 2, 3, 0, 4).reshape(b, m * ps, hkv, d)
 
 
 def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths):
   hkv, n_layers, n_pages, ps, d = k_pool.shape
   flat = lambda pool: pool.reshape(hkv, n_layers * n_pages, ps, d)
   return paged_attention(q, flat(k_pool), flat(v_pool), page_table + layer * n_pages, lengths)
-
-
-def _attend(q, k, v, mask):  # [B, T, Hq, D], [B, Hkv, S, D] x2, [B, T, S] -> [B, T, Hq, D]
-  """Grouped-query attention with a float32 softmax, output in q's dtype."""
-  b, t, hq, d = q.shape
-  hkv = k.shape[1]
-  qg = q.reshape(b, t, hkv, hq // hkv, d)
-  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) / math.sqrt(d)
-  scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  out = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(q.dtype))
-  return out.reshape(b, t, hq, d)
 
 
 def _window(mask, q_pos, k_pos, sliding_window):
@@ -86,12 +71,12 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     if sliding_window is not None:
       raise ValueError("the paged attention kernel has no sliding window")
     return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
-  k = gather_pages(k_pool, layer, page_table)  # [B, Hkv, S, D]
-  v = gather_pages(v_pool, layer, page_table)
-  k_pos = jnp.arange(k.shape[2])[None, :]  # [1, S]
+  k = gather_pages(k_pool, layer, page_table).astype(q.dtype)  # [B, S, Hkv, D]
+  v = gather_pages(v_pool, layer, page_table).astype(q.dtype)
+  k_pos = jnp.arange(k.shape[1])[None, :]  # [1, S]
   mask = k_pos < lengths[:, None]  # [B, S]
   mask = _window(mask[:, None, :], (lengths - 1)[:, None], k_pos, sliding_window)
-  return _attend(q[:, None], k, v, mask)[:, 0]
+  return L.attention(q[:, None], k, v, mask)[:, 0]
 
 
 def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_lengths,
@@ -111,8 +96,8 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_
   Returns:
     [B, T, Hq, D] in q's dtype.
   """
-  k = gather_pages(k_pool, layer, page_table)
-  v = gather_pages(v_pool, layer, page_table)
-  k_pos = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, S]
+  k = gather_pages(k_pool, layer, page_table).astype(q.dtype)  # [B, S, Hkv, D]
+  v = gather_pages(v_pool, layer, page_table).astype(q.dtype)
+  k_pos = jnp.arange(k.shape[1])[None, None, :]  # [1, 1, S]
   mask = (k_pos <= positions[:, :, None]) & (k_pos < kv_lengths[:, None, None])  # [B, T, S]
-  return _attend(q, k, v, _window(mask, positions, k_pos[0], sliding_window))
+  return L.attention(q, k, v, _window(mask, positions, k_pos[0], sliding_window))
