@@ -29,16 +29,20 @@ class PlacementConfig:
       (0: half of them).
     trainer_mesh: FSDP x TP mesh for training.
     rollout_mesh: TP mesh for rollout, replicated over "data".
+    num_devices: use only the first N devices (0: all of them).
   """
 
   mode: str = "colocated"
   trainer_devices: int = 0
   trainer_mesh: MeshConfig = MeshConfig(fsdp=-1)
   rollout_mesh: MeshConfig = MeshConfig(data=-1, fsdp=1)
+  num_devices: int = 0
 
   def __post_init__(self):
     if self.mode not in PLACEMENT_MODES:
       raise UserError(f"placement config: mode={self.mode!r} is not one of {PLACEMENT_MODES}")
+    if not isinstance(self.num_devices, int) or self.num_devices < 0:
+      raise UserError(f"placement config: num_devices must be >= 0, got {self.num_devices!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,11 @@ class Meshes:
 def build_meshes(cfg: PlacementConfig,
                  devices: Optional[Sequence[jax.Device]] = None) -> Meshes:
   devices = list(jax.devices() if devices is None else devices)
+  if cfg.num_devices:
+    if cfg.num_devices > len(devices):
+      raise UserError(f"placement config: num_devices={cfg.num_devices} but only "
+                      f"{len(devices)} devices exist")
+    devices = devices[:cfg.num_devices]
   if cfg.mode == "colocated":
     return Meshes(make_mesh(cfg.trainer_mesh, devices), make_mesh(cfg.rollout_mesh, devices))
   n = cfg.trainer_devices or len(devices) // 2

@@ -170,3 +170,25 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str) -> Tokenizer:
            if k in meta]
   return Tokenizer(tok, source=path, bos_token=bos, eos_token=name("tokenizer.ggml.eos_token_id"),
                    chat_template=meta.get("tokenizer.chat_template"), extra_stop_ids=extra)
+
+
+# Printable ASCII: enough for arithmetic, countdown and short English prompts.
+DEFAULT_CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+CHAR_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def char_tokenizer(chars: str = DEFAULT_CHARS) -> Tokenizer:
+  """One id per character, for models trained from scratch (the quickstart's tiny model).
+
+  Ids 0-3 are <pad>, <s>, </s>, <unk>; characters follow in the given order. Decoding
+  concatenates (no spaces between tokens); unknown characters become <unk>.
+  """
+  if len(set(chars)) != len(chars):
+    raise UserError("char tokenizer: the character set has duplicates")
+  vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS)}
+  vocab.update({c: len(CHAR_SPECIALS) + i for i, c in enumerate(chars)})
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.add_special_tokens(list(CHAR_SPECIALS))
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  return Tokenizer(tok, source="chars", bos_token=None, eos_token="</s>", chat_template=None)

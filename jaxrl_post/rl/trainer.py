@@ -352,6 +352,24 @@ def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequenc
   Returns:
     The new state and one metrics dict (host values) per optimizer step.
   """
+  batches = prepare_step_batches(trainer, state, trajectories, behaviour_logprobs, advantages,
+                                 rewards, ref_params, on_policy)
+  return run_step_batches(trainer, state, batches, rewards, on_policy, group_size)
+
+
+def prepare_step_batches(trainer: Trainer, state: TrainState,
+                         trajectories: Sequence[Trajectory],
+                         behaviour_logprobs: Sequence[Sequence[float]],
+                         advantages: Optional[np.ndarray] = None,
+                         rewards: Optional[np.ndarray] = None,
+                         ref_params: Optional[dict] = None,
+                         on_policy: bool = True) -> list[StepBatch]:
+  """Packs a rollout batch and runs the no-gradient passes: reference logprobs, and the
+  old policy's (and critic's) where a step cannot reuse its own forward.
+
+  Arguments as in `train_on_rollouts`. All passes use the parameters of `state` before
+  any update, so they are computed up front, one StepBatch per optimizer step.
+  """
   cfg = trainer.cfg
   if (advantages is None) != trainer.value_head or (advantages is None and rewards is None):
     raise ValueError("pass advantages for a policy-only model, rewards for a value-head one")
@@ -359,9 +377,15 @@ def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequenc
   plan = split_minibatches(len(trajectories), cfg.minibatches, cfg.micro_batches)
   old_params = trainer.full_params(state)  # The policy that sampled (before any update).
   ref = ref_params if ref_params is not None else trainer.reference_params(state)
-  batches = [_step_batch(trainer, old_params, ref, trajectories, behaviour_logprobs,
-                         advantages, rewards, minibatch, t, skip_old=on_policy and n == 0)
-             for n, minibatch in enumerate(plan)]
+  return [_step_batch(trainer, old_params, ref, trajectories, behaviour_logprobs,
+                      advantages, rewards, minibatch, t, skip_old=on_policy and n == 0)
+          for n, minibatch in enumerate(plan)]
+
+
+def run_step_batches(trainer: Trainer, state: TrainState, batches: Sequence[StepBatch],
+                     rewards: Optional[np.ndarray] = None, on_policy: bool = True,
+                     group_size: Optional[int] = None) -> tuple[TrainState, list[dict]]:
+  """The optimizer steps over prepared batches; returns the state and per-step metrics."""
   extra = {}
   if rewards is not None:
     extra["reward/mean"] = float(np.mean(rewards))

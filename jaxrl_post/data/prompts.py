@@ -1,0 +1,110 @@
+"""The prompt pipeline: a task's training split, shuffled per epoch by grain, tokenized.
+
+The iterator is grain's, so its position is a small JSON-able state saved in every
+checkpoint: a resumed run draws exactly the prompts the uninterrupted run would have.
+Prompts over the token budget are truncated or skipped (per config) and counted; a step
+always gets its full number of prompts, so shapes stay fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import grain
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import Tokenizer
+from jaxrl_post.rewards import Problem, Task
+
+OVERLONG = ("skip", "truncate")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptConfig:
+  """Attributes:
+    max_prompt_tokens: the prompt token budget.
+    overlong: "skip" drops a longer prompt; "truncate" keeps its last max_prompt_tokens
+      tokens (the end holds the chat template's generation prompt).
+    chat_template: wrap the prompt as a user turn of the model's chat template.
+    system_prompt: optional system turn (with chat_template).
+  """
+
+  max_prompt_tokens: int = 256
+  overlong: str = "skip"
+  chat_template: bool = False
+  system_prompt: Optional[str] = None
+
+  def __post_init__(self):
+    if self.max_prompt_tokens < 1:
+      raise UserError(f"prompt config: max_prompt_tokens must be >= 1, "
+                      f"got {self.max_prompt_tokens}")
+    if self.overlong not in OVERLONG:
+      raise UserError(f"prompt config: overlong={self.overlong!r} is not one of {OVERLONG}")
+
+
+def prompt_text(tokenizer: Tokenizer, problem: Problem, cfg: PromptConfig) -> str:
+  if not cfg.chat_template:
+    return problem.prompt
+  messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+  return tokenizer.apply_chat_template(messages + [{"role": "user", "content": problem.prompt}])
+
+
+def encode_prompt(tokenizer: Tokenizer, problem: Problem,
+                  cfg: PromptConfig) -> tuple[Optional[list[int]], bool]:
+  """(ids, was_truncated); ids is None when the prompt is skipped as too long or empty."""
+  ids = tokenizer.encode(prompt_text(tokenizer, problem, cfg),
+                         add_special_tokens=not cfg.chat_template)
+  if not ids:
+    return None, False
+  if len(ids) <= cfg.max_prompt_tokens:
+    return ids, False
+  if cfg.overlong == "skip":
+    return None, False
+  return ids[-cfg.max_prompt_tokens:], True
+
+
+class PromptStream:
+  """Endless shuffled training prompts with a checkpointable position.
+
+  Args:
+    problems: the training split.
+    tokenizer: the policy's tokenizer.
+    cfg: prompt budget and formatting.
+    seed: shuffle seed (each epoch is a different permutation).
+  """
+
+  def __init__(self, problems: Sequence[Problem], tokenizer: Tokenizer, cfg: PromptConfig,
+               seed: int):
+    if len(problems) == 0:
+      raise UserError("the task's training split is empty")
+    self.tokenizer, self.cfg = tokenizer, cfg
+    self._dataset = grain.MapDataset.source(problems).shuffle(seed=seed).repeat()
+    self._iter = iter(self._dataset)
+    self.counts = {"skipped_overlong": 0, "truncated": 0}
+
+  def next_batch(self, n: int) -> tuple[list[Problem], list[list[int]]]:
+    """The next n usable prompts (problems and token ids)."""
+    problems, ids = [], []
+    scanned = 0
+    while len(problems) < n:
+      problem = next(self._iter)
+      encoded, truncated = encode_prompt(self.tokenizer, problem, self.cfg)
+      scanned += 1
+      if encoded is None:
+        self.counts["skipped_overlong"] += 1
+        if scanned > 1000 + 100 * n and len(problems) < n // 10 + 1:
+          raise UserError(f"almost every prompt is longer than max_prompt_tokens="
+                          f"{self.cfg.max_prompt_tokens} (skipped {scanned - len(problems)})")
+        continue
+      self.counts["truncated"] += int(truncated)
+      problems.append(problem)
+      ids.append(encoded)
+    return problems, ids
+
+  def get_state(self) -> dict[str, Any]:
+    return {"iterator": self._iter.get_state(), "counts": dict(self.counts)}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._iter.set_state(state["iterator"])
+    self.counts = dict(state["counts"])

@@ -1,0 +1,236 @@
+"""The run's configuration: small nested frozen dataclasses, every field bindable by gin.
+
+Each config class is registered with gin under its own name, so a gin file says
+`OptimizerConfig.learning_rate = 3e-4` or `RolloutSpec.group_size = 8`. A class's nested
+configs that are not bound explicitly are built through gin too, inside a scope named after
+the field, so bindings reach every level and two fields of one type can be told apart:
+`trainer_mesh/MeshConfig.fsdp = 4` vs `rollout_mesh/MeshConfig.tensor = 2`.
+
+gin rejects unknown configurables and parameter names when the file is parsed; each class
+validates its values when built; `build_experiment` builds the whole tree at once, so every
+mistake surfaces before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+import gin
+
+from jaxrl_post.checkpoint import CheckpointConfig
+from jaxrl_post.data.prompts import PromptConfig
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import LoraConfig
+from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask
+from jaxrl_post.rl.advantages import AdvantageConfig
+from jaxrl_post.rl.losses import LossConfig
+from jaxrl_post.rl.off_policy import OffPolicyConfig
+from jaxrl_post.rl.optim import OptimizerConfig
+from jaxrl_post.rl.sft import SftConfig
+from jaxrl_post.rl.trainer import TrainerConfig
+from jaxrl_post.rollout.engine import EngineConfig
+from jaxrl_post.rollout.pages import PoolConfig
+from jaxrl_post.rollout.scheduler import SchedulerConfig
+from jaxrl_post.sharding import MeshConfig, PlacementConfig, SyncConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Which policy to train.
+
+  Attributes:
+    source: a preset name (random weights: for tests and the quickstart), an embedded model
+      name, a GGUF file or a Hugging Face model directory.
+    tokenizer: "chars" (one id per character; presets need it) or "" for the model's own.
+    init_seed: seed of random weights and LoRA adapters.
+    overrides: ModelConfig fields to change, e.g. {"compute_dtype": "float32"}.
+    lora: train LoRA adapters instead of the full model.
+  """
+
+  source: str = "tiny"
+  tokenizer: str = ""
+  init_seed: int = 0
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  lora: Optional[LoraConfig] = None
+
+  def __post_init__(self):
+    if self.tokenizer not in ("", "chars"):
+      raise UserError(f"model spec: tokenizer={self.tokenizer!r} is not '' or 'chars'")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """Attributes:
+    prompts_per_step: prompts drawn per RL step.
+    group_size: K, samples per prompt (GRPO's group).
+    max_new_tokens: completion budget.
+    temperature, top_k, top_p: sampling (the trainer uses the same temperature).
+    engine: decode slots, pool and shapes.
+    scheduler: prefill/decode interleaving.
+  """
+
+  prompts_per_step: int = 8
+  group_size: int = 8
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+  def __post_init__(self):
+    for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise UserError(f"rollout spec: {name} must be a positive integer, "
+                        f"got {getattr(self, name)!r}")
+    if self.temperature <= 0:
+      raise UserError(f"rollout spec: temperature must be > 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """Held-out greedy pass@1. every_n_steps=0 evaluates only at the start and the end."""
+
+  every_n_steps: int = 10
+  num_problems: int = 200
+
+  def __post_init__(self):
+    if self.every_n_steps < 0 or self.num_problems < 1:
+      raise UserError(f"eval spec: need every_n_steps >= 0 and num_problems >= 1, got "
+                      f"{self.every_n_steps} and {self.num_problems}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSpec:
+  """Attributes:
+    tensorboard: also write TensorBoard event files into the workdir.
+    progress: draw the progress bar.
+  """
+
+  tensorboard: bool = True
+  progress: bool = True
+
+
+def _grpo(**kwargs) -> AdvantageConfig:
+  return AdvantageConfig(**{"name": "grpo", "group_size": 2} | kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """One RL run. AdvantageConfig.group_size is always RolloutSpec.group_size."""
+
+  steps: int = 100
+  seed: int = 0
+  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+  task: Any = dataclasses.field(default_factory=ArithmeticTask)
+  prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+  rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
+  advantage: AdvantageConfig = dataclasses.field(default_factory=_grpo)
+  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  sft: SftConfig = dataclasses.field(default_factory=SftConfig)
+  placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+  sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+  logging: LogSpec = dataclasses.field(default_factory=LogSpec)
+
+  def __post_init__(self):
+    if not isinstance(self.steps, int) or self.steps < 1:
+      raise UserError(f"experiment: steps must be a positive integer, got {self.steps!r}")
+
+
+# --------------------------------------------------------------------------- gin registry
+
+_NAMES: dict[type, str] = {}
+CONFIGURABLES: dict[str, Callable[..., Any]] = {}
+
+
+def _build(cls: type, default: Any = None, given: Optional[dict] = None) -> Any:
+  """Builds `cls` from gin bindings (or `given`), over `default`'s field values.
+
+  A nested field holding a registered config (by default or as `default`'s value) is built
+  the same way inside a gin scope named after the field, so bindings reach it.
+  """
+  kwargs = dict(given) if given is not None else gin.get_bindings(_NAMES[cls])
+  for field in dataclasses.fields(cls):
+    if field.name in kwargs:
+      continue
+    if default is not None:
+      value = getattr(default, field.name)
+    elif field.default_factory is not dataclasses.MISSING:
+      value = field.default_factory()
+    elif field.default is not dataclasses.MISSING:
+      value = field.default
+    else:
+      continue  # Required: the constructor names it if it stays unset.
+    if type(value) in _NAMES:
+      with gin.config_scope(field.name):
+        value = _build(type(value), value)
+    kwargs[field.name] = value
+  return cls(**kwargs)
+
+
+def _register(cls: type) -> None:
+  def make(**kwargs):
+    return _build(cls, given=kwargs)
+
+  make.__signature__ = inspect.signature(cls)
+  make.__name__ = cls.__name__
+  _NAMES[cls] = cls.__name__
+  CONFIGURABLES[cls.__name__] = gin.external_configurable(make, name=cls.__name__)
+
+
+for _cls in (ModelSpec, RolloutSpec, EvalSpec, LogSpec, Experiment, ArithmeticTask,
+             CountdownTask, JsonlTask, PromptConfig, AdvantageConfig, LossConfig,
+             OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
+             PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
+             CheckpointConfig, LoraConfig):
+  _register(_cls)
+
+
+def parse(gin_files: list[str], bindings: list[str]) -> None:
+  """Parses gin files and bindings; a mistake becomes one UserError line."""
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
+  except (ValueError, KeyError, SyntaxError, TypeError) as e:
+    raise UserError(f"gin: {_first_lines(e)}") from e
+  except OSError as e:
+    raise UserError(f"gin: cannot read config file: {e}") from e
+
+
+def build_experiment() -> Experiment:
+  """The whole config tree, built (and validated) through the gin bindings."""
+  try:
+    exp = CONFIGURABLES["Experiment"]()
+  except UserError as e:
+    raise UserError(str(e).splitlines()[0]) from e
+  except (TypeError, ValueError) as e:
+    raise UserError(f"config: {_first_lines(e)}") from e
+  return validate(exp)
+
+
+def validate(exp: Experiment) -> Experiment:
+  """Cross-field checks no single config can make."""
+  k = exp.rollout.group_size
+  adv = dataclasses.replace(exp.advantage, group_size=k)
+  samples = exp.rollout.prompts_per_step * k
+  split = exp.trainer.minibatches * exp.trainer.micro_batches
+  if samples % split:
+    raise UserError(f"config: prompts_per_step x group_size = {samples} samples do not split "
+                    f"into TrainerConfig.minibatches x micro_batches = {split}")
+  if exp.trainer.temperature != exp.rollout.temperature:
+    raise UserError(f"config: TrainerConfig.temperature ({exp.trainer.temperature}) must equal "
+                    f"RolloutSpec.temperature ({exp.rollout.temperature})")
+  need = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+  if need > exp.trainer.row_tokens:
+    raise UserError(f"config: max_prompt_tokens + max_new_tokens = {need} exceeds "
+                    f"TrainerConfig.row_tokens = {exp.trainer.row_tokens}")
+  return dataclasses.replace(exp, advantage=adv)
+
+
+def _first_lines(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return " | ".join(lines[:3])

@@ -1,0 +1,264 @@
+"""The synchronous on-policy RL loop, with checkpoints that lose nothing.
+
+One step: prompts (grain) -> rollout engine (K samples each) -> rewards (verifier threads)
+-> advantages -> reference (and old-policy) logprobs -> trainer (minibatches) -> weight
+sync. Every role is timed; the rest of the step is reported as time/waiting.
+
+Resuming: a checkpoint holds the train state, the reference parameters, the prompt
+iterator's position, the weight version and the run's counters; every random draw is a
+function of (seed, step), so a run killed at any point and restarted with the same command
+continues with exactly the metrics the uninterrupted run would have written. metrics.jsonl
+is cut back to the restored step first (lines written after the last checkpoint are
+recomputed, not duplicated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.checkpoint import Checkpointer, abstract_like
+from jaxrl_post.data.prompts import PromptStream
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.transformer import abstract_model, logical_axes
+from jaxrl_post.pipeline import rollouts
+from jaxrl_post.pipeline.config import Experiment
+from jaxrl_post.pipeline.policy import load_policy
+from jaxrl_post.pipeline.warmup import warm_up
+from jaxrl_post.rewards import score_batch
+from jaxrl_post.rl.advantages import compute_advantages
+from jaxrl_post.rl.trainer import (Trainer, prepare_step_batches, run_step_batches)
+from jaxrl_post.rollout import Engine, SamplingParams
+from jaxrl_post.sharding import WeightSync, build_meshes
+from jaxrl_post.telemetry import MetricsWriter, ProgressBar, StepTimer
+from jaxrl_post.telemetry.progress import format_duration
+
+
+@dataclasses.dataclass
+class Progress:
+  """What the loop carries between steps besides the train state (saved as JSON)."""
+
+  step: int = 0  # RL steps done.
+  eval_history: list = dataclasses.field(default_factory=list)  # [[step, accuracy], ...]
+  counters: dict = dataclasses.field(default_factory=dict)  # cumulative counts
+
+
+class RLRun:
+  """Builds every role of a run from its Experiment and runs the loop in `workdir`."""
+
+  def __init__(self, exp: Experiment, workdir: str, log=print):
+    self.exp, self.workdir, self.log = exp, workdir, log
+    self.model_cfg, params, self.tokenizer = load_policy(exp.model)
+    self.task = exp.task
+    self.eval_problems = _eval_problems(self.task, exp.eval.num_problems)
+    self.meshes = build_meshes(exp.placement)
+    self._check_rollout_devices()
+    self.trainer = Trainer(self.model_cfg, exp.trainer, mesh=self.meshes.trainer)
+    self.prompts = PromptStream(self.task.split("train"), self.tokenizer, exp.prompts,
+                                seed=exp.seed)
+    self.sampling = SamplingParams(exp.rollout.temperature, exp.rollout.top_k,
+                                   exp.rollout.top_p, exp.rollout.max_new_tokens,
+                                   self.tokenizer.stop_ids)
+    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
+    self._initial_params = params
+
+  def _check_rollout_devices(self) -> None:
+    devices = list(self.meshes.rollout.devices.flat)
+    if len(devices) != 1:
+      raise UserError(f"placement: the rollout engine decodes on one device, the rollout mesh "
+                      f"has {len(devices)}; use PlacementConfig.mode = 'split' with "
+                      "rollout_mesh/MeshConfig sizes 1, or run on one device")
+    self.rollout_device = devices[0]
+
+  # ------------------------------------------------------------------ start
+
+  def start(self) -> Progress:
+    """Restores the newest checkpoint, or warms up and saves step 0."""
+    latest = self.checkpointer.latest_step()
+    state = self.trainer.init_state(self._initial_params)
+    ref = self._reference(self._initial_params)
+    if latest is None:
+      progress = Progress()
+      state, ref = self._warm_up(state, ref, progress)
+    else:
+      abstract_ref = None if ref is None else abstract_like(ref)
+      state, ref, meta = self.checkpointer.restore(latest, abstract_like(state), abstract_ref)
+      progress = Progress(meta["step"], meta["eval_history"], meta["counters"])
+      self.prompts.set_state(meta["prompts"])
+      self.log(f"resumed from {self.checkpointer.directory}/{latest} (step {progress.step})")
+    self.state, self.ref = state, ref
+    self._build_rollout(meta_version=progress.counters.get("weight_version", 0))
+    return progress
+
+  def _warm_up(self, state, ref, progress: Progress):
+    if self.exp.sft.steps:
+      params, metrics = warm_up(self.model_cfg, self.trainer.full_params(state), self.task,
+                                self.tokenizer, self.exp.sft, self.exp.prompts,
+                                self.exp.rollout.max_new_tokens, self.exp.seed, self.log)
+      progress.counters["sft/final_loss"] = metrics["sft/final_loss"]
+      state, ref = self.trainer.init_state(params), self._reference(params)
+    return state, ref
+
+  def _reference(self, params):
+    """Frozen reference weights on the training mesh (None with LoRA: the base is it)."""
+    return None if self.trainer.lora else self.trainer.place(jax.tree.map(jnp.array, params))
+
+  def _build_rollout(self, meta_version: int) -> None:
+    model = abstract_model(self.model_cfg)
+    full = self.trainer.full_params(self.state)
+    self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
+    rollout = self.sync.initial(full)
+    self.rollout = dataclasses.replace(rollout, version=meta_version)
+    engine_cfg = self.exp.rollout.engine
+    if engine_cfg.max_seq_len is None:
+      need = self.exp.prompts.max_prompt_tokens + self.exp.rollout.max_new_tokens
+      engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=need)
+    with jax.default_device(self.rollout_device):
+      self.engine = Engine(self.model_cfg, self.rollout.params, engine_cfg,
+                           version=self.rollout.version)
+
+  # ------------------------------------------------------------------ one step
+
+  def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
+    exp, k = self.exp, self.exp.rollout.group_size
+    problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
+    with timer.role("rollout"):
+      t0 = time.perf_counter()
+      groups = rollouts.sample_groups(self.engine, problems, prompt_ids, k, self.sampling,
+                                      exp.rollout.scheduler, exp.seed, step)
+      metrics = rollouts.rollout_metrics(groups, time.perf_counter() - t0)
+    with timer.role("reward"):
+      rewards, stats = score_batch(self.task, [g.problem for g in groups for _ in range(k)],
+                                   rollouts.completion_texts(self.tokenizer, groups))
+    trajs, behaviour = rollouts.flatten(groups)
+    with timer.role("advantage"):
+      adv, _ = compute_advantages(rewards, np.ones((len(trajs), 1), np.float32), exp.advantage)
+      adv = np.asarray(adv)[:, 0]
+    with timer.role("reference"):
+      batches = jax.block_until_ready(prepare_step_batches(
+          self.trainer, self.state, trajs, behaviour, adv, rewards, self.ref))
+    with timer.role("train"):
+      self.state, history = run_step_batches(self.trainer, self.state, batches, rewards,
+                                             group_size=k)
+    with timer.role("sync"):
+      self._sync(step)
+    metrics.update(_train_metrics(history), **stats.as_metrics())
+    metrics.update({"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+                    "weight_version": self.rollout.version})
+    return metrics
+
+  def _sync(self, step: int) -> None:
+    if self.sync.due(step):
+      self.rollout = self.sync(self.trainer.full_params(self.state), self.rollout)
+      self.engine.set_weights(self.rollout.params, self.rollout.version)
+      jax.block_until_ready(self.rollout.params)
+
+  def evaluate(self) -> dict[str, float]:
+    return rollouts.evaluate(self.engine, self.tokenizer, self.task, self.eval_problems,
+                             self.exp.prompts, self.exp.rollout.max_new_tokens,
+                             self.exp.rollout.scheduler)
+
+  # ------------------------------------------------------------------ checkpoints
+
+  def save(self, progress: Progress) -> None:
+    meta = {"step": progress.step, "eval_history": progress.eval_history,
+            "counters": progress.counters | {"weight_version": self.rollout.version},
+            "prompts": self.prompts.get_state()}
+    self.checkpointer.save(progress.step, self.state, meta, self.ref)
+
+  def close(self) -> None:
+    self.checkpointer.close()
+
+
+def _eval_problems(task, num: int) -> list:
+  split = task.split("eval")
+  if len(split) == 0:
+    raise UserError("the task's eval split is empty")
+  return [split[i] for i in range(min(num, len(split)))]
+
+
+def _train_metrics(history: list[dict]) -> dict[str, Any]:
+  """Scalars averaged over the step's optimizer steps; histograms from the last one."""
+  out: dict[str, Any] = {}
+  for name in history[0]:
+    values = [h[name] for h in history]
+    if isinstance(values[0], list):
+      out[f"train/{name}"] = values[-1]
+    elif name in ("reward/mean", "groups/zero_variance_frac"):
+      out[name] = values[-1]
+    else:
+      out[f"train/{name}"] = float(np.mean(values))
+  return out
+
+
+def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
+  """Runs (or resumes) the experiment to its last step; returns the summary."""
+  started = time.time()
+  run_ = RLRun(exp, workdir, log)
+  progress = run_.start()
+  writer = MetricsWriter(workdir, tensorboard=exp.logging.tensorboard)
+  writer.truncate_after(progress.step)
+  try:
+    if progress.step == 0 and not progress.eval_history:
+      _record_eval(run_, progress, writer, extra=progress.counters)
+      run_.save(progress)
+    _loop(run_, progress, writer)
+  finally:
+    writer.close()
+    run_.close()
+  summary = _summary(progress, time.time() - started)
+  log(summary["message"])
+  return summary
+
+
+def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter) -> None:
+  exp = run_.exp
+  bar = ProgressBar(exp.steps, progress.step) if exp.logging.progress else None
+  timer = StepTimer()
+  for step in range(progress.step + 1, exp.steps + 1):
+    timer.start()
+    metrics = run_.step(step, timer)
+    metrics.update(timer.stop())
+    progress.step = step
+    if step == exp.steps or (exp.eval.every_n_steps and step % exp.eval.every_n_steps == 0):
+      metrics.update(_evaluate(run_, progress))
+    metrics.update(_counters(run_))
+    writer.write(step, metrics)
+    if bar:
+      bar.update(step, metrics["reward/mean"], metrics["rollout/tokens_per_s"])
+    if step % exp.checkpoint.every_n_steps == 0 or step == exp.steps:
+      run_.save(progress)
+  if bar:
+    bar.close()
+
+
+def _evaluate(run_: RLRun, progress: Progress) -> dict[str, float]:
+  out = run_.evaluate()
+  progress.eval_history.append([progress.step, out["eval/accuracy"]])
+  return out
+
+
+def _record_eval(run_: RLRun, progress: Progress, writer: MetricsWriter, extra: dict) -> None:
+  metrics = _evaluate(run_, progress)
+  writer.write(0, metrics | {k: v for k, v in extra.items() if k.startswith("sft/")})
+  run_.log(f"step 0: held-out accuracy {metrics['eval/accuracy']:.3f}")
+
+
+def _counters(run_: RLRun) -> dict[str, int]:
+  out = {f"data/{k}": v for k, v in run_.prompts.counts.items()}
+  out.update({f"data/skipped_rows/{k}": v for k, v in run_.task.skipped.items()})
+  return out
+
+
+def _summary(progress: Progress, seconds: float) -> dict[str, Any]:
+  first, last = progress.eval_history[0], progress.eval_history[-1]
+  message = (f"held-out accuracy: {first[1]:.3f} at step {first[0]} -> {last[1]:.3f} at step "
+             f"{last[0]} (wall time {format_duration(seconds)} in this process)")
+  return {"start_accuracy": first[1], "end_accuracy": last[1], "steps": progress.step,
+          "seconds": seconds, "message": message}

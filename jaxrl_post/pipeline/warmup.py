@@ -1,0 +1,56 @@
+"""The supervised warm-up phase: reference answers of the task's training split.
+
+Examples are drawn with a generator seeded by the run's seed only, so the warm-up is the
+same in every attempt of a run (a run killed during warm-up simply redoes it: it ends in
+the step-0 checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.data.prompts import PromptConfig, encode_prompt
+from jaxrl_post.models import ModelConfig, Tokenizer, abstract_model
+from jaxrl_post.rewards import Task
+from jaxrl_post.rl.packing import Trajectory, pack
+from jaxrl_post.rl.sft import SftConfig, SftTrainer
+
+
+def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: int,
+                 max_new_tokens: int, rng: np.random.Generator) -> list[Trajectory]:
+  """n (prompt, reference answer + EOS) pairs from the training split."""
+  train, out = task.split("train"), []
+  eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+  for _ in range(100 * n):
+    if len(out) == n:
+      break
+    problem = train[int(rng.integers(len(train)))]
+    ids, _ = encode_prompt(tokenizer, problem, prompt_cfg)
+    answer = tokenizer.encode(problem.answer, add_special_tokens=False) + eos
+    if ids is not None and answer:
+      out.append(Trajectory(ids, answer[:max_new_tokens]))
+  return out
+
+
+def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokenizer,
+            cfg: SftConfig, prompt_cfg: PromptConfig, max_new_tokens: int, seed: int,
+            log: Callable[[str], None]) -> tuple[dict, dict]:
+  """Runs cfg.steps supervised steps; returns (parameters, metrics)."""
+  trainer = SftTrainer(abstract_model(model_cfg), cfg)
+  params = jax.tree.map(jnp.array, params)  # Own copy: the steps donate it.
+  opt_state = trainer.init(params)
+  rng = np.random.default_rng([seed, 0x5F7])
+  every = max(1, cfg.steps // 5)
+  loss = float("nan")
+  for step in range(1, cfg.steps + 1):
+    batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
+    rows = 1 << math.ceil(math.log2(len(pack(batch, cfg.row_tokens).tokens)))
+    params, opt_state, loss = trainer.step(params, opt_state, batch, rows, max_new_tokens)
+    if step % every == 0 or step == cfg.steps:
+      log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}")
+  return params, {"sft/final_loss": float(loss)}
