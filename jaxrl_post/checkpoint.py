@@ -64,15 +64,16 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict, reference: Any = None) -> None:
     """Starts saving; returns once the arrays are off the devices (async mode)."""
-    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta),
-             "reference": ocp.args.StandardSave(reference if reference is not None else {})}
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if reference is not None:
+      items["reference"] = ocp.args.StandardSave(reference)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, abstract_state: Any, abstract_reference: Any = None):
     """(state, reference, meta) of `step`, placed as the abstract trees' shardings say."""
-    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore(),
-             "reference": ocp.args.StandardRestore(
-                 abstract_reference if abstract_reference is not None else {})}
+    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    if abstract_reference is not None:
+      items["reference"] = ocp.args.StandardRestore(abstract_reference)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except (ValueError, KeyError, FileNotFoundError) as e:

@@ -1,0 +1,21 @@
+"""Tasks with verifiable rewards, and the dispatcher that scores completions for them.
+
+A leaf package: it must not import jax, because verifiers run on CPU worker threads (and
+in processes that never touch an accelerator).
+"""
+
+from jaxrl_post.rewards.arithmetic import ArithmeticTask
+from jaxrl_post.rewards.base import Problem, Task
+from jaxrl_post.rewards.countdown import CountdownTask
+from jaxrl_post.rewards.dispatch import ScoreStats, score_batch
+from jaxrl_post.rewards.math_data import JsonlTask
+
+# Name -> task class, for configs that pick a task by string.
+TASKS: dict[str, type] = {
+    ArithmeticTask.name: ArithmeticTask,
+    CountdownTask.name: CountdownTask,
+    JsonlTask.name: JsonlTask,
+}
+
+__all__ = ["ArithmeticTask", "CountdownTask", "JsonlTask", "Problem", "ScoreStats", "TASKS",
+           "Task", "score_batch"]

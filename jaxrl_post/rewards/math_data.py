@@ -1,0 +1,283 @@
+"""Math word problems from a JSONL file, scored by symbolic equivalence with math-verify.
+
+Real datasets carry broken rows (truncated lines, GSM8K answers without "####", MATH
+solutions whose \\boxed{} never closes). Those are skipped and counted by reason rather than
+raised, so one bad line does not stop a run, and `skipped` shows what was lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+from typing import Any, ClassVar, NamedTuple, Sequence
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
+
+FORMATS = ("auto", "gsm8k", "math", "prompt_answer")
+
+# Skip reasons, the keys of `JsonlTask.skipped`.
+INVALID_JSON = "invalid_json"
+NOT_AN_OBJECT = "not_an_object"
+UNKNOWN_FORMAT = "unknown_format"  # "auto" found none of question / problem / prompt.
+MISSING_FIELD = "missing_field"  # Absent, empty or not a string.
+NO_FINAL_ANSWER = "no_final_answer"  # GSM8K answer without "#### <answer>".
+NO_BOXED_ANSWER = "no_boxed_answer"  # MATH solution without a closed \boxed{}, no "answer".
+DUPLICATE_OF_EVAL = "duplicate_of_eval"  # A train row whose question is also in eval.
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+class _Skip(Exception):
+  """A row that cannot be used; `reason` is one of the skip reasons above."""
+
+  def __init__(self, reason: str):
+    super().__init__(reason)
+    self.reason = reason
+
+
+class _Row(NamedTuple):
+  line: int  # 1-based, as an editor shows it, so a Problem id points at the source line.
+  question: str
+  answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlTask:
+  """Question/answer rows from JSONL; eval from `eval_path` or held out of `path`.
+
+  Attributes:
+    path: The train file (or the whole data set when `eval_path` is None).
+    eval_path: A separate eval file. Train rows whose question also appears there are
+      skipped (DUPLICATE_OF_EVAL) so the two splits never share a problem.
+    format: "gsm8k" ({"question", "answer": "... #### 42"}), "math" ({"problem", "solution"
+      with \\boxed{...}} or an explicit "answer"), "prompt_answer" ({"prompt", "answer"}),
+      or "auto" to pick by the keys of each row.
+    seed: Selects which questions are held out when `eval_path` is None.
+    eval_fraction: Share of distinct questions held out for eval when `eval_path` is None.
+      A question's side depends only on (seed, question text), so it survives reordering
+      the file, and duplicates of a question always land on the same side.
+    template: How the prompt is formed from the row's question text, with field {question}.
+  """
+
+  name: ClassVar[str] = "jsonl"
+
+  path: str
+  eval_path: str | None = None
+  format: str = "auto"
+  seed: int = 0
+  eval_fraction: float = 0.1
+  template: str = "{question}"
+  _train: tuple[Problem, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  _eval: tuple[Problem, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  _skipped: dict[str, int] = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    self._check()
+    skipped: collections.Counter[str] = collections.Counter()
+    rows = _load(self.path, self.format, skipped)
+    if self.eval_path is None:
+      train, evals = _hold_out(rows, self.seed, self.eval_fraction, self.path)
+    else:
+      evals = _load(self.eval_path, self.format, skipped)
+      held = {row.question for row in evals}
+      train = [row for row in rows if row.question not in held]
+      skipped[DUPLICATE_OF_EVAL] += len(rows) - len(train)
+      if not train:
+        raise UserError(f"{self.path}: every valid row is also in eval_path={self.eval_path}")
+    object.__setattr__(self, "_train", self._problems(self.path, train))
+    object.__setattr__(self, "_eval", self._problems(self.eval_path or self.path, evals))
+    object.__setattr__(self, "_skipped", {k: v for k, v in sorted(skipped.items()) if v})
+
+  def _check(self) -> None:
+    owner = type(self).__name__
+    for field in ("path", "eval_path"):
+      value = getattr(self, field)
+      if not (isinstance(value, (str, os.PathLike)) or (field == "eval_path" and value is None)):
+        raise UserError(f"{owner}: {field}={value!r} must be a file path")
+    if self.format not in FORMATS:
+      raise UserError(f"{owner}: format={self.format!r} is not one of {', '.join(FORMATS)}")
+    check_int(owner, "seed", self.seed, 0)
+    fraction = self.eval_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+        0 <= fraction < 1):
+      raise UserError(f"{owner}: eval_fraction={fraction!r} must be a number in [0, 1)")
+    check_template(owner, self.template, ("question",))
+
+  def _problems(self, path: str, rows: Sequence[_Row]) -> tuple[Problem, ...]:
+    base = os.path.basename(path)
+    return tuple(Problem(id=f"{base}:{row.line}", prompt=self.template.format(
+        question=row.question), answer=row.answer) for row in rows)
+
+  def split(self, name: str) -> Sequence[Problem]:
+    check_split(type(self).__name__, name)
+    return self._train if name == "train" else self._eval
+
+  def score(self, problem: Problem, completion: str) -> float:
+    """1.0 iff math-verify finds the completion's answer equivalent to the gold answer."""
+    return 1.0 if math_equal(problem.answer, completion) else 0.0
+
+  @property
+  def skipped(self) -> dict[str, int]:
+    return dict(self._skipped)
+
+
+def _load(path: str, fmt: str, skipped: collections.Counter[str]) -> list[_Row]:
+  """The valid rows of one file; invalid ones are counted into `skipped` by reason."""
+  try:
+    handle = open(path, "rb")  # Bytes: a bad UTF-8 line is one skipped row, not a crash.
+  except FileNotFoundError:
+    raise UserError(f"{path}: no such file") from None
+  except IsADirectoryError:
+    raise UserError(f"{path}: is a directory, expected a JSONL file") from None
+  except OSError as e:
+    raise UserError(f"{path}: cannot be read ({e.strerror})") from None
+  rows, here = [], collections.Counter()
+  with handle:
+    for line, raw in enumerate(handle, 1):
+      if not raw.strip():
+        continue  # Blank lines (a trailing newline, say) are not rows.
+      try:
+        rows.append(_Row(line, *_parse_row(raw, fmt)))
+      except _Skip as skip:
+        here[skip.reason] += 1
+  skipped.update(here)
+  if not rows:
+    counts = ", ".join(f"{k}={v}" for k, v in sorted(here.items())) or "the file is empty"
+    raise UserError(f"{path}: no valid rows (format={fmt}; skipped: {counts})")
+  return rows
+
+
+def _parse_row(raw: bytes, fmt: str) -> tuple[str, str]:
+  """(question, gold answer) of one JSONL line; raises _Skip with the reason otherwise."""
+  try:
+    row = json.loads(raw)
+  except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from it.
+    raise _Skip(INVALID_JSON) from None
+  if not isinstance(row, dict):
+    raise _Skip(NOT_AN_OBJECT)
+  if fmt == "auto":
+    fmt = _detect(row)
+  if fmt == "gsm8k":
+    return _text(row, "question"), _gsm8k_answer(_text(row, "answer"))
+  if fmt == "math":
+    question = _text(row, "problem")
+    if _has_text(row, "answer"):
+      return question, _text(row, "answer")
+    boxed = last_boxed(_text(row, "solution"))
+    if boxed is None:
+      raise _Skip(NO_BOXED_ANSWER)
+    return question, boxed
+  return _text(row, "prompt"), _text(row, "answer")
+
+
+def _detect(row: dict[str, Any]) -> str:
+  for key, fmt in (("question", "gsm8k"), ("problem", "math"), ("prompt", "prompt_answer")):
+    if key in row:
+      return fmt
+  raise _Skip(UNKNOWN_FORMAT)
+
+
+def _has_text(row: dict[str, Any], key: str) -> bool:
+  try:
+    _text(row, key)
+    return True
+  except _Skip:
+    return False
+
+
+def _text(row: dict[str, Any], key: str) -> str:
+  """A non-empty string field; numbers are accepted for answers written as JSON numbers."""
+  value = row.get(key)
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    value = str(value)
+  if not isinstance(value, str) or not value.strip():
+    raise _Skip(MISSING_FIELD)
+  return value.strip()
+
+
+def _gsm8k_answer(answer: str) -> str:
+  """The number after the last "####": "... #### 1,234" -> "1234"."""
+  if "####" not in answer:
+    raise _Skip(NO_FINAL_ANSWER)
+  final = answer.rsplit("####", 1)[1].strip().replace(",", "").strip("$ ").rstrip(".")
+  if not final:
+    raise _Skip(NO_FINAL_ANSWER)
+  return final
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last \\boxed{...} (or \\fbox{...}), or None if absent or unclosed.
+
+  Braces are matched by depth, since answers nest them (\\boxed{\\frac{1}{2}}); a regex
+  cannot. Only the last box counts: an earlier one is usually an intermediate result.
+  """
+  matches = list(_BOXED.finditer(text))
+  if not matches:
+    return None
+  depth, start, i = 1, matches[-1].end(), matches[-1].end()
+  while i < len(text):
+    char = text[i]
+    if char == "\\":
+      i += 2  # An escaped character, e.g. \{ inside a set, never opens or closes.
+      continue
+    depth += (char == "{") - (char == "}")
+    if depth == 0:
+      content = text[start:i].strip()
+      return content or None
+    i += 1
+  return None
+
+
+def _hold_out(rows: list[_Row], seed: int, fraction: float,
+              path: str) -> tuple[list[_Row], list[_Row]]:
+  """Splits rows into (train, eval) by question, both in file order."""
+  if fraction == 0:
+    return rows, []
+  questions = list(dict.fromkeys(row.question for row in rows))
+  count = max(1, round(len(questions) * fraction))
+  if count >= len(questions):
+    raise UserError(f"{path}: {len(questions)} distinct question(s) are too few to hold "
+                    f"out eval_fraction={fraction}; add rows or pass eval_path")
+  # Ranking by a hash of (seed, question) makes each question's side independent of the
+  # file's order; the threshold only decides how many go to eval.
+  ranked = sorted(questions, key=lambda q: hashlib.blake2b(
+      repr((seed, q)).encode(), digest_size=16).digest())
+  held = set(ranked[:count])
+  return ([row for row in rows if row.question not in held],
+          [row for row in rows if row.question in held])
+
+
+def math_equal(gold: str, completion: str) -> bool:
+  """Whether math-verify finds the completion's final answer equivalent to `gold`.
+
+  Both timeouts are disabled: math-verify implements them with SIGALRM, which raises off
+  the main thread, and scoring runs on worker threads. `dispatch.score_batch` bounds the
+  time instead.
+  """
+  import math_verify  # Here, not at the top: it pulls in sympy, slow to import.
+
+  predicted = math_verify.parse(completion, parsing_timeout=None)
+  return bool(math_verify.verify(list(_parse_gold(gold)), predicted, timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_gold(gold: str) -> tuple[Any, ...]:
+  """Parsed gold answer, cached: every problem is scored once per sample in its group.
+
+  A bare gold ("1234", "\\frac{1}{2}") is wrapped in \\boxed{} so math-verify extracts it
+  as LaTeX; its plain-text extraction would misread some LaTeX and miss others.
+  """
+  import math_verify
+
+  text = gold.strip()
+  if len(text) > 1 and text[0] == text[-1] == "$":
+    text = text.strip("$")
+  if "\\boxed" not in text:
+    text = f"\\boxed{{{text}}}"
+  return tuple(math_verify.parse(text, parsing_timeout=None))
