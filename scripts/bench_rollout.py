@@ -11,6 +11,21 @@ Prints one JSON object (with --json; otherwise one "key: value" line each):
   batching (batches of num_slots requests, each run until its longest finishes), same model,
   engine and slot count, on a workload whose completion lengths vary widely; both measured
   in this run after a warm-up pass that compiles every shape (best of 3 interleaved runs).
+* cascade_prefix_read_ratio: KV pages read by decode attention with cascade attention
+  (EngineConfig.group_slots=8) over without, summed over every decode step of K=8 samples
+  of one 512-token prompt with 256-token completions (16-token pages). Counted from the
+  engine's page tables and lengths before each step (Engine.attention_reads), so it is
+  exact and deterministic; bytes scale with pages for any model, so it is also the ratio
+  of KV bytes read.
+* cascade_vs_paged_decode_speedup: decode tokens/s with cascade attention over plain paged
+  attention, same tiny model and workload (2 prompts x K=8 samples in 16 slots, prompt 512,
+  completion 256), decode calls only, best of 3 interleaved runs after a warm-up. On the
+  CPU both run the plain-jnp attention path, which gathers pages into dense arrays:
+  cascade gathers the shared prompt once per block instead of once per sample (and its
+  tables are narrower) but adds a second attention part and the merge, while much of a
+  tiny model's step is per-op overhead and the MLP. So the CPU figure measures how the jnp
+  gathers compare on this host, not the kernels: on a GPU/TPU decode is bandwidth-bound and
+  the read ratio above is what bounds the attention time.
 * On a GPU/TPU only (jax.default_backend() != "cpu"): decode tokens/s and the share of the
   HBM roofline for a 1B-class shape (llama3.2-1b, random bf16 weights), where the roofline
   step time is (weight bytes + KV bytes read) / bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
@@ -67,6 +82,83 @@ def prefix_sharing_page_ratio(model) -> dict:
   shared, unshared = peak(k, 1), peak(1, k)
   return {"prefix_sharing_page_ratio": round(shared / unshared, 4),
           "prefix_sharing_pages": {"shared": shared, "unshared": unshared}}
+
+
+CASCADE_K, CASCADE_PROMPT, CASCADE_COMPLETION, CASCADE_PAGE = 8, 512, 256, 16
+
+
+def _cascade_engine(model, group_slots: int, groups: int, decode_steps: int) -> Engine:
+  """An engine whose pool holds `groups` prompts with K samples each, and nothing more."""
+  ps, p, c = CASCADE_PAGE, CASCADE_PROMPT, CASCADE_COMPLETION
+  per_group = cdiv(p, ps) + CASCADE_K * (cdiv(p + c, ps) - p // ps)
+  config = EngineConfig(num_slots=groups * CASCADE_K, decode_steps=decode_steps,
+                        prefill_chunk=256, max_seq_len=p + c, group_slots=group_slots,
+                        pool=PoolConfig(page_size=ps, num_pages=groups * per_group + 1))
+  return Engine.from_model(model, config)
+
+
+def _start_groups(engine: Engine, prompts) -> None:
+  """Prefills each prompt once and inserts its K samples into the next K slots (a block)."""
+  sampling = SamplingParams(temperature=1.0, max_tokens=CASCADE_COMPLETION)
+  for g, prompt in enumerate(prompts):
+    prefix = engine.new_prefix(prompt, sampling, seed=g, sample_ids=range(CASCADE_K))
+    while not engine.prefill(prefix):
+      pass
+    engine.bulk_insert(prefix, list(range(g * CASCADE_K, (g + 1) * CASCADE_K)))
+
+
+def cascade_prefix_read_ratio(model) -> dict:
+  """KV pages decode attention reads with cascade over without, over a whole completion."""
+  engine = _cascade_engine(model, CASCADE_K, groups=1, decode_steps=1)
+  _start_groups(engine, _prompts(np.random.default_rng(2), [CASCADE_PROMPT],
+                                 model.config.vocab_size))
+  cascade = paged = steps = 0
+  while True:
+    step_cascade, step_paged = engine.attention_reads()  # What the next step will read.
+    if step_paged == 0:
+      break
+    cascade, paged, steps = cascade + step_cascade, paged + step_paged, steps + 1
+    engine.generate()
+  assert steps == CASCADE_COMPLETION - 1  # The first token comes from prefill.
+  return {"cascade_prefix_read_ratio": round(cascade / paged, 4),
+          "cascade_read_pages_per_step": {"cascade": round(cascade / steps, 1),
+                                          "paged": round(paged / steps, 1)}}
+
+
+def _decode_run(engine: Engine, prompts) -> tuple[int, float]:
+  """(tokens, seconds) of decoding every slot to the end; prefill is not timed."""
+  _start_groups(engine, prompts)
+  slots = engine.max_concurrent_decodes
+  finished = np.zeros((slots,), bool)
+  tokens, start = 0, time.perf_counter()
+  while not finished.all():
+    out = engine.generate()
+    tokens += int((out.tokens >= 0).sum())
+    finished |= out.finished
+  seconds = time.perf_counter() - start
+  for slot in range(slots):
+    engine.free_resource(slot)
+  return tokens, seconds
+
+
+def cascade_vs_paged_decode(model, groups: int = 2, repeats: int = 3) -> dict:
+  """Decode tokens/s with cascade attention over plain paged, same workload, same run."""
+  prompts = _prompts(np.random.default_rng(3), [CASCADE_PROMPT] * groups,
+                     model.config.vocab_size)
+  engines = {name: _cascade_engine(model, group_slots, groups, decode_steps=32)
+             for name, group_slots in (("paged", 0), ("cascade", CASCADE_K))}
+  for engine in engines.values():
+    _decode_run(engine, prompts)  # Warm-up: compiles every table width.
+  runs = {name: [] for name in engines}
+  for _ in range(repeats):  # Interleaved; the best of each resists a busy shared machine.
+    for name, engine in engines.items():
+      runs[name].append(_decode_run(engine, prompts))
+  best = {name: min(r, key=lambda run: run[1]) for name, r in runs.items()}
+  assert best["paged"][0] == best["cascade"][0]
+  tps = {name: tokens / seconds for name, (tokens, seconds) in best.items()}
+  return {"cascade_vs_paged_decode_speedup": round(tps["cascade"] / tps["paged"], 3),
+          "cascade_decode_tokens_per_s_cpu": round(tps["cascade"], 1),
+          "paged_decode_tokens_per_s_cpu": round(tps["paged"], 1)}
 
 
 def _workload(n: int, rng) -> list[Request]:
@@ -173,6 +265,8 @@ def main(argv=None) -> int:
   result = {"backend": jax.default_backend(), "jax": jax.__version__}
   result.update(prefix_sharing_page_ratio(model))
   result.update(continuous_vs_static(model, args.requests))
+  result.update(cascade_prefix_read_ratio(model))
+  result.update(cascade_vs_paged_decode(model))
   if jax.default_backend() != "cpu":
     cfg = preset("llama3.2-1b", param_dtype="bfloat16", compute_dtype="bfloat16")
     result["decode_model"] = "llama3.2-1b, random bf16 weights"

@@ -10,17 +10,38 @@ exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's pa
 Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
 pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
 sliding-window models, which the kernel does not cover. Prefill stays plain jnp.
+
+Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
+decode samples of one prompt: the block's shared prompt pages are read once for all its
+rows, each row's own pages once, and the two partial attentions merge by log-sum-exp. On
+GPU/TPU it is jaxrl_post.kernels.cascade_attention on the stacked pool; on the CPU the jnp
+path does the same split with the kernels' own query grouping and merge.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_post.kernels import paged_attention
+from jaxrl_post.kernels import cascade_attention, paged_attention
+from jaxrl_post.kernels.cascade_attention import _group_queries, _ungroup
+from jaxrl_post.kernels.paged_attention import (masked_decode_attention_reference,
+                                                merge_attention_parts)
 from jaxrl_post.models import layers as L
+
+
+class SharedPrefix(NamedTuple):
+  """The prompt pages each block of slots shares, for cascade decode attention.
+
+  Block g is rows g*K .. g*K + K - 1 of the decode batch (K = B // G). Only whole pages are
+  shared: a prompt's partial last page is copied per sample, so it starts the sample's own
+  pages and the shared part is contiguous with them.
+  """
+
+  table: jax.Array  # [G, Mp] int32 the block's shared prompt pages, in token order
+  lengths: jax.Array  # [G] int32 tokens in them (a multiple of page_size; 0 for none)
 
 
 def use_kernel_default() -> bool:
@@ -34,10 +55,15 @@ def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> 
   return pages.transpose(1, 2, 3, 0, 4).reshape(b, m * ps, hkv, d)
 
 
+def _flat(pool, layer):  # [Hkv, L, P, ps, D] -> ([Hkv, L*P, ps, D], page id offset of `layer`)
+  """The stacked pool as one kernel pool (a free reshape) and where `layer`'s pages start."""
+  hkv, n_layers, n_pages, ps, d = pool.shape
+  return pool.reshape(hkv, n_layers * n_pages, ps, d), layer * n_pages
+
+
 def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths):
-  hkv, n_layers, n_pages, ps, d = k_pool.shape
-  flat = lambda pool: pool.reshape(hkv, n_layers * n_pages, ps, d)
-  return paged_attention(q, flat(k_pool), flat(v_pool), page_table + layer * n_pages, lengths)
+  (k, offset), (v, _) = _flat(k_pool, layer), _flat(v_pool, layer)
+  return paged_attention(q, k, v, page_table + offset, lengths)
 
 
 def _window(mask, q_pos, k_pos, sliding_window):
@@ -101,3 +127,66 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_
   k_pos = jnp.arange(k.shape[1])[None, None, :]  # [1, 1, S]
   mask = (k_pos <= positions[:, :, None]) & (k_pos < kv_lengths[:, None, None])  # [B, T, S]
   return L.attention(q, k, v, _window(mask, positions, k_pos[0], sliding_window))
+
+
+def _masked_part(q, k_pool, v_pool, layer, page_table, lengths):
+  """Attention of q [N, H, D] over each row's first `lengths` tokens of its pages.
+
+  The kernels' float32 masked softmax, because the merge needs each part's log-sum-exp,
+  which models.layers.attention does not return.
+
+  Returns ([N, H, D] float32, [N, H] float32 log-sum-exp); an empty row gives (0, -inf).
+  """
+  k = gather_pages(k_pool, layer, page_table)  # [N, S, Hkv, D]
+  v = gather_pages(v_pool, layer, page_table)
+  valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [N, S]
+  return masked_decode_attention_reference(q, k, v, valid)
+
+
+def _jnp_cascade(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths):
+  """cascade_attention in plain jnp: prefix keys gathered once per block, suffix per row."""
+  hq = q.shape[1]
+  groups, hkv = shared.table.shape[0], k_pool.shape[0]
+  # A block's K queries stacked per KV head: one [K * Hq/Hkv, D] query group reads the
+  # block's prefix keys once, as the kernel does.
+  qg = _group_queries(q, groups, hkv)  # [G, Hkv * K * Hq/Hkv, D]
+  pre_out, pre_lse = _masked_part(qg, k_pool, v_pool, layer, shared.table, shared.lengths)
+  pre_out = _ungroup(pre_out, groups, hkv, hq)  # [B, Hq, D]
+  pre_lse = _ungroup(pre_lse, groups, hkv, hq)  # [B, Hq]
+  suf_out, suf_lse = _masked_part(q, k_pool, v_pool, layer, suffix_table, suffix_lengths)
+  out, _ = merge_attention_parts(jnp.stack([pre_out, suf_out]), jnp.stack([pre_lse, suf_lse]))
+  return out.astype(q.dtype)
+
+
+def _kernel_cascade(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths):
+  (k, offset), (v, _) = _flat(k_pool, layer), _flat(v_pool, layer)
+  return cascade_attention(q, k, v, shared.table + offset, shared.lengths,
+                           suffix_table + offset, suffix_lengths)
+
+
+def cascade_decode_attention(q, k_pool, v_pool, layer, shared: SharedPrefix, suffix_table,
+                             suffix_lengths, use_kernel: Optional[bool] = None):
+  """Decode attention for blocks of samples of one prompt: shared pages read once per block.
+
+  Row b's keys are its block's shared prefix (``shared.lengths[b // K]`` tokens) followed by
+  its own pages. Rows with nothing to attend to (a suffix length of 0 in a block whose
+  prefix length is 0: free slots) get a zero output, never NaN.
+
+  Args:
+    q: [B, Hq, D] the query of each row's newest token; B = G * K.
+    k_pool: [Hkv, L, num_pages, page_size, D] keys of every layer.
+    v_pool: [Hkv, L, num_pages, page_size, D] values.
+    layer: scalar int, the layer whose pages to read.
+    shared: per block, the shared prefix pages and their token count.
+    suffix_table: [B, Ms] int32 each row's pages after its block's prefix.
+    suffix_lengths: [B] int32 valid tokens in them, the query's own included.
+    use_kernel: static; kernels.cascade_attention (interpreted on a CPU) instead of plain
+      jnp. None: the kernel on GPU/TPU.
+
+  Returns:
+    [B, Hq, D] in q's dtype.
+  """
+  if use_kernel is None:
+    use_kernel = use_kernel_default()
+  attend = _kernel_cascade if use_kernel else _jnp_cascade
+  return attend(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths)

@@ -10,6 +10,14 @@
 * `generate`: `decode_steps` decode steps for every slot in one jitted device loop.
 * `free_resource`: return a finished slot's pages.
 
+With `EngineConfig.group_slots = K` the slots form blocks of K contiguous slots, each block
+decoding samples of one prompt, and decode attention is cascade attention: the block's
+shared whole prompt pages are read once per block per step instead of once per sample
+(the partial last prompt page is each sample's own copy, so it counts as the sample's).
+Callers then insert a prompt's samples only into blocks that are free or already hold that
+prompt; the Scheduler does so. Sliding-window models keep the block placement but decode
+with plain paged attention, which is the only one with a window.
+
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
 between calls; every token is stamped with the version that produced it. `generate` at the
 bottom of this module is the high-level call: requests in, per-sample completions out.
@@ -29,6 +37,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.transformer import Transformer, abstract_model, params_of, with_params
 from jaxrl_post.rollout import forward
+from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
                                       PoolConfig, cdiv, copy_pages, resolve_num_pages)
 from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
@@ -52,6 +61,11 @@ class EngineConfig:
       two of pages >= this (and <= max_seq_len / page_size), so attention gathers at most
       twice the pages in use while only a few table shapes are ever compiled.
     pool: how many KV pages to allocate.
+    group_slots: 0 for independent slots; K > 0 groups the slots into blocks of K
+      contiguous slots that each decode samples of one prompt, with cascade attention
+      reading the prompt's shared pages once per block (see the module docstring).
+      num_slots must be a multiple. Pick the usual samples per prompt: a prompt with
+      fewer samples leaves the rest of its block idle until the block empties.
   """
 
   num_slots: int = 8
@@ -62,12 +76,19 @@ class EngineConfig:
   kv_dtype: str | None = None
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
+  group_slots: int = 0
 
   def __post_init__(self):
     for name in ("num_slots", "decode_steps", "prefill_chunk", "max_stop_ids",
                  "min_table_pages"):
       if getattr(self, name) < 1:
         raise UserError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+    if self.group_slots < 0:
+      raise UserError(f"engine config: group_slots must be >= 0 (0 = off), "
+                      f"got {self.group_slots}")
+    if self.group_slots and self.num_slots % self.group_slots:
+      raise UserError(f"engine config: num_slots ({self.num_slots}) must be a multiple of "
+                      f"group_slots ({self.group_slots})")
 
 
 class SlotState(NamedTuple):
@@ -78,7 +99,7 @@ class SlotState(NamedTuple):
   num_generated: jax.Array  # [B] int32 completion tokens so far (the fed one included)
   max_tokens: jax.Array  # [B] int32
   active: jax.Array  # [B] bool
-  page_table: jax.Array  # [B, M] int32
+  page_table: jax.Array  # [B, M] int32 (cascade: only the pages after the block's prefix)
   seeds: jax.Array  # [B] uint32
   sample_ids: jax.Array  # [B] int32
   temperature: jax.Array  # [B] float32
@@ -108,8 +129,12 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("pool",))
-def _decode_loop(params, pool: KVPool, state: SlotState, *, cfg: ModelConfig, steps: int):
+def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
+                 cfg: ModelConfig, steps: int):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
+
+  `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
+  for the call, so it stays out of the loop carry.
 
   Returns:
     (pool, final state, tokens [B, steps] (-1 where a slot produced none), logprobs).
@@ -126,7 +151,7 @@ def _decode_loop(params, pool: KVPool, state: SlotState, *, cfg: ModelConfig, st
   def body(carry):
     i, pool, st, out_tokens, out_logprobs = carry
     logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
-                                       st.active)
+                                       st.active, shared)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p)
     on = st.active
@@ -241,6 +266,11 @@ class Engine:
     self._slots = _host_slots(config.num_slots, self.max_pages, config.max_stop_ids)
     self._seqs: list[PagedSequence | None] = [None] * config.num_slots
     self._final_len = np.zeros((config.num_slots,), np.int64)  # Most tokens a slot writes.
+    # Per block of group_slots slots: the shared whole prompt pages and their token count.
+    blocks = config.num_slots // config.group_slots if config.group_slots else 0
+    self._block_table = np.full((blocks, self.max_pages), TRASH_PAGE, np.int32)
+    self._block_len = np.zeros((blocks,), np.int32)
+    self.cascade = bool(config.group_slots) and model_config.sliding_window is None
 
   @classmethod
   def from_model(cls, model: Transformer, config: EngineConfig = EngineConfig(), *,
@@ -262,6 +292,11 @@ class Engine:
   @property
   def max_concurrent_decodes(self) -> int:
     return self.config.num_slots
+
+  @property
+  def group_slots(self) -> int:
+    """Slots per block (0: slots are independent); a block decodes samples of one prompt."""
+    return self.config.group_slots
 
   @property
   def pages_in_use(self) -> int:
@@ -361,8 +396,14 @@ class Engine:
     self.bulk_insert(prefix, [slot])
 
   def bulk_insert(self, prefix: Prefix, slots: Sequence[int]) -> None:
-    """Hands the prefix's next len(slots) samples to these free slots, in order."""
+    """Hands the prefix's next len(slots) samples to these free slots, in order.
+
+    With group_slots, every slot's block must be empty or already hold samples with this
+    prompt's whole pages (ValueError otherwise): cascade attention reads one shared
+    prefix per block.
+    """
     assert prefix.done and len(slots) <= prefix.remaining, (prefix.done, len(slots))
+    self._check_blocks(prefix, slots)
     copies = []
     for slot in slots:
       assert self._seqs[slot] is None, f"slot {slot} is busy"
@@ -375,6 +416,7 @@ class Engine:
         copies.append(pair)
       self._seqs[slot] = seq
       self._fill_slot(slot, prefix, i, seq)
+      self._join_block(slot, len(prefix.prompt) // self.page_size, seq)
     if copies:
       src, dst = (np.array(c, np.int32) for c in zip(*copies))
       pad = _pow2_at_least(len(src)) - len(src)
@@ -392,6 +434,34 @@ class Engine:
     """Pages promised to the next sample: the last one gets what is left (one page less
     when it inherits the partial prompt page)."""
     return prefix.private_pages if prefix.remaining > 1 else prefix.seq.reserved
+
+  def _block_slots(self, block: int) -> range:
+    k = self.config.group_slots
+    return range(block * k, (block + 1) * k)
+
+  def _block_live(self, block: int) -> bool:
+    return any(self._seqs[i] is not None for i in self._block_slots(block))
+
+  def _check_blocks(self, prefix: Prefix, slots: Sequence[int]) -> None:
+    """Raises ValueError if a slot's block decodes samples with other shared pages."""
+    if not self.config.group_slots:
+      return
+    n = len(prefix.prompt) // self.page_size
+    for block in sorted({slot // self.config.group_slots for slot in slots}):
+      same = (self._block_len[block] == n * self.page_size and
+              self._block_table[block, :n].tolist() == prefix.seq.pages[:n])
+      if self._block_live(block) and not same:
+        raise ValueError(f"bulk_insert: slots {list(self._block_slots(block))} decode another "
+                         f"prompt; a block of group_slots slots holds one prompt's samples")
+
+  def _join_block(self, slot: int, shared_pages: int, seq: PagedSequence) -> None:
+    """Records the prompt's whole pages as the shared prefix of the slot's block."""
+    if not self.config.group_slots:
+      return
+    block = slot // self.config.group_slots
+    self._block_table[block] = TRASH_PAGE
+    self._block_table[block, :shared_pages] = seq.pages[:shared_pages]
+    self._block_len[block] = shared_pages * self.page_size
 
   def _consume(self, prefix: Prefix) -> None:
     prefix.next_sample += 1
@@ -420,14 +490,57 @@ class Engine:
       seq.grow(int(min(s.lengths[slot] + steps, self._final_len[slot])))
       s.page_table[slot, :len(seq.pages)] = seq.pages
       widest = max(widest, len(seq.pages))
-    state = s._replace(page_table=s.page_table[:, :self._table_width(widest)])
-    self.pool, st, tokens, logprobs = _decode_loop(self.params, self.pool, state,
+    if self.cascade:
+      state, shared = self._cascade_operands()
+    else:
+      state, shared = s._replace(page_table=s.page_table[:, :self._table_width(widest)]), None
+    self.pool, st, tokens, logprobs = _decode_loop(self.params, self.pool, state, shared,
                                                    cfg=self.model_config, steps=steps)
     st, tokens, logprobs = jax.device_get((st, tokens, logprobs))
     was_active = s.active.copy()
     for name in ("tokens", "lengths", "num_generated", "active"):
       getattr(s, name)[:] = getattr(st, name)
     return ResultTokens(tokens, logprobs, was_active & ~s.active, self.version)
+
+  def _cascade_operands(self) -> tuple[SlotState, SharedPrefix]:
+    """The slot state with each row cut to its pages after its block's shared prefix, and
+    the blocks' shared pages; both tables narrowed like the plain one (_table_width)."""
+    s, ps = self._slots, self.page_size
+    start = np.repeat(self._block_len // ps, self.config.group_slots)  # [B] shared pages
+    cols = start[:, None] + np.arange(self.max_pages)[None, :]  # [B, M]
+    inside = cols < self.max_pages
+    own = np.take_along_axis(s.page_table, np.where(inside, cols, 0), axis=1)
+    own = np.where(inside, own, TRASH_PAGE).astype(np.int32)  # [B, M]
+    widest_own = max((len(self._seqs[i].pages) - start[i] for i in np.flatnonzero(s.active)),
+                     default=1)
+    widest_shared = max(int(self._block_len.max()) // ps, 1)
+    state = s._replace(page_table=own[:, :self._table_width(widest_own)])
+    shared = SharedPrefix(self._block_table[:, :self._table_width(widest_shared)],
+                          self._block_len.copy())
+    return state, shared
+
+  def attention_reads(self) -> tuple[int, int]:
+    """KV pages (per layer, K or V, per KV head) the next decode step attends over.
+
+    Returns (cascade, paged): cascade reads each live block's shared prompt pages once and
+    every active slot's own pages; paged attention reads all pages of every active slot.
+    Counted from the host tables and lengths, so the figure is exact and deterministic.
+    Without group_slots both are the paged count.
+    """
+    s, ps = self._slots, self.page_size
+    cascade = paged = 0
+    live_blocks = set()
+    for slot in np.flatnonzero(s.active):
+      tokens = int(s.lengths[slot]) + 1  # The fed token's own K/V included.
+      paged += cdiv(tokens, ps)
+      shared = 0
+      if self.config.group_slots:
+        block = slot // self.config.group_slots
+        shared = int(self._block_len[block])
+        live_blocks.add(block)
+      cascade += cdiv(tokens - shared, ps)
+    cascade += sum(int(self._block_len[b]) // ps for b in live_blocks)
+    return cascade, paged
 
   def _table_width(self, pages: int) -> int:
     width = max(_pow2_at_least(pages), self.config.min_table_pages)
@@ -441,6 +554,11 @@ class Engine:
     self._seqs[slot] = None
     self._slots.active[slot] = False
     self._slots.page_table[slot] = TRASH_PAGE
+    if self.config.group_slots:
+      block = slot // self.config.group_slots
+      if not self._block_live(block):  # Its prompt pages may now be freed and reused.
+        self._block_table[block] = TRASH_PAGE
+        self._block_len[block] = 0
 
   def slot_pages(self, slot: int) -> list[int]:
     seq = self._seqs[slot]

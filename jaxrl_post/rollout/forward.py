@@ -6,6 +6,11 @@ change (biases, LoRA, RoPE scaling) reaches the rollout without a second impleme
 Within a layer the new tokens' K/V are written before attending, so a token sees itself.
 Layers run under lax.scan with the pool in the carry: the scatter of the new K/V then
 updates the pool in place instead of copying it.
+
+The decode step has two attention modes. Plain: each row's page table covers all its
+tokens. Cascade (a `SharedPrefix` is given): rows come in blocks of samples of one prompt,
+the block's shared prompt pages are attended once per block, and each row's page table
+holds only its own pages, which start right after the shared prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.transformer import Transformer, post_attention, qkv_projection
-from jaxrl_post.rollout.attention import paged_decode_attention, paged_prefill_attention
+from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention,
+                                          paged_decode_attention, paged_prefill_attention)
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
 
 
@@ -28,7 +34,7 @@ def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N,
 
 def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [B, T]
   """The page each token writes to; invalid tokens go to the sink page."""
-  index = jnp.minimum(page_index, page_table.shape[1] - 1)
+  index = jnp.clip(page_index, 0, page_table.shape[1] - 1)
   pages = jnp.take_along_axis(page_table, index, axis=1)
   return jnp.where(valid, pages, TRASH_PAGE)
 
@@ -59,20 +65,38 @@ def _final_logits(model: Transformer, h):  # [B, D] -> [B, V] float32
 class _DecodeAttention:
   """The decode step's per-layer write + attention, with the step's fixed operands."""
 
-  def __init__(self, cfg, page_table, lengths, active):
+  def __init__(self, cfg, page_table, lengths, active, shared: SharedPrefix | None):
     self.cfg, self.page_table, self.lengths, self.active = cfg, page_table, lengths, active
     self.positions = lengths[:, None]  # [B, 1]
+    self.table_start = 0  # Position of each row's first page-table token.
+    self.shared = shared
+    if shared is not None:
+      if cfg.sliding_window is not None:
+        raise ValueError("cascade decode attention has no sliding window")
+      rows_per_block = lengths.shape[0] // shared.lengths.shape[0]
+      self.table_start = jnp.repeat(shared.lengths, rows_per_block)[:, None]  # [B, 1]
+      # Free slots attend to nothing, and a block with no live row skips its prefix read.
+      live = active.reshape(-1, rows_per_block).any(axis=1)  # [G]
+      self.shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
+      self.suffix_lengths = jnp.where(active, lengths + 1 - self.table_start[:, 0], 0)  # [B]
+
+  def _attend(self, pool, layer, q):  # q [B, Hq, D] -> [B, Hq, D]
+    if self.shared is None:
+      return paged_decode_attention(q, pool.k, pool.v, layer, self.page_table,
+                                    self.lengths + 1, self.cfg.sliding_window)
+    return cascade_decode_attention(q, pool.k, pool.v, layer, self.shared, self.page_table,
+                                    self.suffix_lengths)
 
   def __call__(self, pool, layer, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
     ps = pool.k.shape[3]
-    pages = _target_pages(self.page_table, self.positions // ps, self.active[:, None])[:, 0]
+    page_index = (self.positions - self.table_start) // ps  # [B, 1]
+    pages = _target_pages(self.page_table, page_index, self.active[:, None])[:, 0]
     pool = _write_kv(pool, layer, pages, self.lengths % ps, k[:, 0], v[:, 0])
-    attn = paged_decode_attention(q[:, 0], pool.k, pool.v, layer, self.page_table,
-                                  self.lengths + 1, self.cfg.sliding_window)
-    return attn[:, None], pool
+    return self._attend(pool, layer, q[:, 0])[:, None], pool
 
 
-def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active):
+def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
+                shared: SharedPrefix | None = None):
   """Feeds each row's next token at position `lengths` and returns next-token logits.
 
   Args:
@@ -80,14 +104,17 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
     pool: the KV pool.
     tokens: [B] int32 the token to feed per row.
     lengths: [B] int32 tokens already in the row's pages (= the fed token's position).
-    page_table: [B, M] int32, covering position `lengths` for active rows.
+    page_table: [B, M] int32, covering position `lengths` for active rows: all the row's
+      pages, or with `shared` only those after its block's shared prefix.
     active: [B] bool; inactive rows write to the sink page and their logits are garbage.
+    shared: None for plain paged attention; else cascade attention over blocks of
+      B // G rows that share these prompt pages (the model must have no sliding window).
 
   Returns:
     (logits [B, V] float32, updated pool).
   """
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
-  attend = _DecodeAttention(model.config, page_table, lengths, active)
+  attend = _DecodeAttention(model.config, page_table, lengths, active, shared)
   x, pool = _run_layers(model, pool, x, attend.positions, attend)
   return _final_logits(model, x[:, 0]), pool
 

@@ -16,8 +16,18 @@ first served); it never fails for want of memory and never takes a live sequence
 Groups of samples larger than the pool can ever hold are split into groups that fit (each
 prefills the prompt once).
 
+Blocks: an engine with group_slots = K > 0 decodes each block of K contiguous slots as one
+prompt's samples (cascade attention reads the prompt once per block). Admission and
+insertion then count whole free blocks instead of free slots: a prefix takes a free block
+and fills it with its samples; a prefix with more than K samples spreads over several whole
+blocks, still prefilled once and sharing its prompt pages across them; a prefix with fewer
+leaves the rest of its block idle until every sample in it finishes, when the block is free
+again (continuous batching at block granularity). Without blocks every slot is a block of
+one, which is plain continuous batching.
+
 The scheduler knows the engine only through its methods (new_prefix, prefill, bulk_insert,
-skip, generate, free_resource, validate, max_group_size, max_concurrent_decodes).
+skip, generate, free_resource, validate, max_group_size, max_concurrent_decodes,
+group_slots).
 """
 
 from __future__ import annotations
@@ -110,6 +120,7 @@ class Scheduler:
     self.prefilling: collections.deque = collections.deque()  # (group, prefix)
     self.ready: collections.deque = collections.deque()  # (group, prefix), prefilled
     self.slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+    self.block_size = engine.group_slots or 1  # Slots a prompt's samples enter together.
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
     self._next_id = 0
@@ -153,9 +164,19 @@ class Scheduler:
       self.step()
     return self.results
 
+  def _free_blocks(self) -> collections.deque:
+    """Each wholly free block, as a deque of its slot indices, lowest first."""
+    k = self.block_size
+    blocks = (range(first, first + k) for first in range(0, len(self.slots), k))
+    return collections.deque(collections.deque(b) for b in blocks
+                             if all(self.slots[i] is None for i in b))
+
+  def _blocks_needed(self, samples: int) -> int:
+    return -(-samples // self.block_size)
+
   def _admit(self) -> None:
-    free = sum(r is None for r in self.slots)
-    pending = sum(p.remaining for _, p in (*self.prefilling, *self.ready))
+    free = len(self._free_blocks())
+    pending = sum(self._blocks_needed(p.remaining) for _, p in (*self.prefilling, *self.ready))
     while self.waiting and pending < free:
       g = self.waiting[0]
       prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids)
@@ -164,7 +185,7 @@ class Scheduler:
         return
       self.waiting.popleft()
       self.prefilling.append((g, prefix))
-      pending += len(g.sample_ids)
+      pending += self._blocks_needed(len(g.sample_ids))
 
   def _prefill(self) -> None:
     budget = self.config.prefill_tokens_per_step if self._busy() else float("inf")
@@ -178,21 +199,26 @@ class Scheduler:
         self.ready.append(self.prefilling.popleft())
 
   def _insert(self) -> list[tuple[int, int, Completion]]:
+    """Prefilled samples into free blocks, in order; a block never mixes two prompts."""
     finished = []
-    free = collections.deque(i for i, r in enumerate(self.slots) if r is None)
-    while self.ready and free:
+    blocks = self._free_blocks()
+    while self.ready and blocks:
       g, prefix = self.ready[0]
       batch = []
-      while prefix.remaining > len(batch) and free:
+      while prefix.remaining > len(batch) and blocks:
         j = prefix.next_sample + len(batch)
         if not prefix.finishes_at_first(j):
-          batch.append(free.popleft())
+          batch.append(blocks[0].popleft())
+          if not blocks[0]:
+            blocks.popleft()
           continue
         self._bulk_insert(g, prefix, batch)
         batch = []
         finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
         self.engine.skip(prefix)
       self._bulk_insert(g, prefix, batch)
+      if blocks and len(blocks[0]) < self.block_size:
+        blocks.popleft()  # This prompt's block: its free slots idle until it empties.
       if prefix.remaining == 0:
         self.ready.popleft()
     return finished

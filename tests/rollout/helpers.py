@@ -19,6 +19,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layer
                   num_heads=4, num_kv_heads=2, head_dim=8, compute_dtype="float32",
                   max_position_embeddings=128)
 PAGE_SIZE = 4
+LOGPROB_TOL = 1e-4  # float32: the same maths as the full forward, summed in another order.
 NUM_PAGES = 64
 ENGINE = EngineConfig(num_slots=4, decode_steps=8, prefill_chunk=16, min_table_pages=32,
                       pool=PoolConfig(page_size=PAGE_SIZE, num_pages=NUM_PAGES))
@@ -72,3 +73,18 @@ def truncated_logprobs(logits, temperature, top_k=0, top_p=1.0):  # [N, V] -> [N
     kept = kept[mass_before < top_p]
     out[i, kept] = log_softmax(row[kept])
   return out
+
+
+def check_behaviour_logprobs(prompts, out, temperature, top_k=0, top_p=1.0):
+  """Asserts every sampled token's logprob is the full forward's truncated one; returns
+  how many tokens were checked."""
+  checked = 0
+  for prompt, samples in zip(prompts, out):
+    for c in samples:
+      logits = completion_logits(prompt, c.tokens)
+      want = truncated_logprobs(logits, temperature, top_k, top_p)
+      picked = want[np.arange(len(c.tokens)), list(c.tokens)]
+      assert np.all(np.isfinite(picked)), "a token outside the kept set was sampled"
+      np.testing.assert_allclose(c.logprobs, picked, atol=LOGPROB_TOL)
+      checked += len(c.tokens)
+  return checked

@@ -1,11 +1,12 @@
-"""The decode step's attention: the Pallas kernel over the stacked pool equals plain jnp."""
+"""The decode step's attention: the Pallas kernels over the stacked pool equal plain jnp."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_post.rollout.attention import paged_decode_attention
+from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention,
+                                          paged_decode_attention)
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -27,3 +28,35 @@ def test_kernel_refuses_a_sliding_window():
   with pytest.raises(ValueError, match="sliding window"):
     paged_decode_attention(jnp.zeros((1, 1, 16)), pool, pool, 0, jnp.zeros((1, 1), jnp.int32),
                            jnp.ones((1,), jnp.int32), sliding_window=4, use_kernel=True)
+
+
+def _stacked_pool(rng, hkv, n_layers, n_pages, ps, d):
+  shape = (hkv, n_layers, n_pages, ps, d)
+  return (jnp.asarray(rng.normal(size=shape), jnp.float32),
+          jnp.asarray(rng.normal(size=shape), jnp.float32))
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_cascade_kernel_on_the_stacked_pool_equals_the_jnp_path(layer):
+  hkv, n_layers, n_pages, ps, d, hq = 2, 3, 16, 8, 16, 4
+  rng = np.random.default_rng(10 + layer)
+  k_pool, v_pool = _stacked_pool(rng, hkv, n_layers, n_pages, ps, d)
+  q = jnp.asarray(rng.normal(size=(6, hq, d)), jnp.float32)
+  # Blocks of 2 rows. Block 0: a 2-page prompt, both rows live. Block 1: a prompt shorter
+  # than a page (no shared pages), second row free. Block 2: empty. Page 0 is the sink.
+  shared = SharedPrefix(jnp.asarray([[3, 7, 0], [0, 0, 0], [0, 0, 0]], jnp.int32),
+                        jnp.asarray([2 * ps, 0, 0], jnp.int32))
+  own = jnp.asarray([[1, 9], [4, 12], [5, 0], [0, 0], [0, 0], [0, 0]], jnp.int32)
+  own_lengths = jnp.asarray([1, 11, 5, 0, 0, 0], jnp.int32)
+  run = lambda use_kernel: cascade_decode_attention(
+      q, k_pool, v_pool, jnp.int32(layer), shared, own, own_lengths, use_kernel=use_kernel)
+  kernel, plain = run(True), run(False)
+  np.testing.assert_allclose(kernel, plain, atol=2e-5)  # f32 kernel tolerance
+  # Live rows equal paged attention over "shared pages, then own pages"; free rows are 0.
+  table = jnp.asarray([[3, 7, 1, 9], [3, 7, 4, 12], [5, 0, 0, 0]], jnp.int32)
+  want = paged_decode_attention(q[:3], k_pool, v_pool, jnp.int32(layer), table,
+                                jnp.asarray([2 * ps + 1, 2 * ps + 11, 5], jnp.int32),
+                                use_kernel=False)
+  np.testing.assert_allclose(plain[:3], want, atol=2e-5)
+  np.testing.assert_array_equal(kernel[3:], 0.0)
+  np.testing.assert_array_equal(plain[3:], 0.0)

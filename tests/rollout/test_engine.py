@@ -9,7 +9,7 @@ from jaxrl_post.models.transformer import init_model, params_of
 from jaxrl_post.rollout import Request, SamplingParams, Scheduler, SchedulerConfig, generate
 from tests.rollout import helpers as H
 
-LOGPROB_TOL = 1e-4  # float32: the same maths as the full forward, summed in another order.
+LOGPROB_TOL = H.LOGPROB_TOL
 STOPS = (5, 11)
 
 
@@ -31,24 +31,11 @@ def test_greedy_matches_dense_reference_token_for_token():
   assert reasons == {"stop", "length"}  # Both ways of finishing were exercised.
 
 
-def _check_behaviour_logprobs(prompts, out, temperature, top_k=0, top_p=1.0):
-  checked = 0
-  for prompt, samples in zip(prompts, out):
-    for c in samples:
-      logits = H.completion_logits(prompt, c.tokens)
-      want = H.truncated_logprobs(logits, temperature, top_k, top_p)
-      picked = want[np.arange(len(c.tokens)), list(c.tokens)]
-      assert np.all(np.isfinite(picked)), "a token outside the kept set was sampled"
-      np.testing.assert_allclose(c.logprobs, picked, atol=LOGPROB_TOL)
-      checked += len(c.tokens)
-  return checked
-
-
 def test_temperature_logprobs_equal_full_forward():
   prompts = H.prompts(np.random.default_rng(1), [2, 7, 19])
   sampling = SamplingParams(temperature=0.7, max_tokens=20, seed=3)
   out = generate(H.engine(), prompts, n=2, sampling=sampling)
-  assert _check_behaviour_logprobs(prompts, out, 0.7) == 3 * 2 * 20
+  assert H.check_behaviour_logprobs(prompts, out, 0.7) == 3 * 2 * 20
   assert len({c.tokens for s in out for c in s}) == 6  # Samples differ from each other.
 
 
@@ -57,7 +44,7 @@ def test_truncated_logprobs_equal_the_renormalised_distribution(top_k, top_p):
   prompts = H.prompts(np.random.default_rng(2), [5, 13])
   sampling = SamplingParams(temperature=1.3, top_k=top_k, top_p=top_p, max_tokens=16, seed=4)
   out = generate(H.engine(), prompts, n=2, sampling=sampling)
-  _check_behaviour_logprobs(prompts, out, 1.3, top_k, top_p)
+  H.check_behaviour_logprobs(prompts, out, 1.3, top_k, top_p)
 
 
 def test_a_requests_tokens_do_not_depend_on_the_batch():

@@ -1,6 +1,9 @@
 """Hundreds of random requests through a pool too small for them all at once."""
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 from jaxrl_post.models.decode import generate_dense
 from jaxrl_post.rollout import SamplingParams, Scheduler
@@ -9,9 +12,14 @@ from tests.rollout import helpers as H
 STOPS = (3, 17)
 
 
-def test_random_requests_all_finish_exactly_and_leak_no_pages():
+# 0: independent slots. 2: blocks of 2 slots decoded with cascade attention, so groups of
+# 1..3 samples leave block slots idle or spread over two blocks; fewer sequences then run
+# at once, so a smaller pool keeps requests waiting for pages.
+@pytest.mark.parametrize("group_slots,num_pages", [(0, H.NUM_PAGES), (2, H.NUM_PAGES // 2)])
+def test_random_requests_all_finish_exactly_and_leak_no_pages(group_slots, num_pages):
   rng = np.random.default_rng(7)
-  eng = H.engine()
+  eng = H.engine(group_slots=group_slots,
+                 pool=dataclasses.replace(H.ENGINE.pool, num_pages=num_pages))
   sched = Scheduler(eng)
   n_requests, max_new = 240, 40
   lengths = rng.integers(1, 41, size=n_requests)
