@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import gin
@@ -188,6 +189,12 @@ for _cls in (ModelSpec, RolloutSpec, EvalSpec, LogSpec, Experiment, ArithmeticTa
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
              CheckpointConfig, LoraConfig):
   _register(_cls)
+
+
+@gin.configurable
+def data_file(directory: str = ".", name: str = "") -> str:
+  """A path from a directory macro and a file name (`@train/data_file()` in gin files)."""
+  return os.path.join(directory, name)
 
 
 def parse(gin_files: list[str], bindings: list[str]) -> None:

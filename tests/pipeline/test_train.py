@@ -17,7 +17,7 @@ QUICKSTART = os.path.join(ROOT, "configs", "quickstart.gin")
 # The quickstart, shrunk to seconds: few steps, small groups, a checkpoint every step.
 FAST = ["Experiment.steps = 5", "SftConfig.steps = 4", "EvalSpec.every_n_steps = 2",
         "EvalSpec.num_problems = 16", "RolloutSpec.prompts_per_step = 4",
-        "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
+        "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16", "EngineConfig.group_slots = 4",
         "CheckpointConfig.every_n_steps = 1", "CheckpointConfig.keep = 2",
         "PlacementConfig.num_devices = 1", "OptimizerConfig.total_steps = 10"]
 # Wall-clock figures differ between any two runs; everything else must not.
@@ -100,3 +100,22 @@ def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path):
   got = _deterministic(read_metrics(str(killed / "metrics.jsonl")))
   assert [r["step"] for r in got] == list(range(7))
   assert got == want
+
+
+def test_malformed_rows_and_overlong_prompts_are_skipped_and_counted(tmp_path, capsys):
+  data = tmp_path / "data.jsonl"
+  rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+          for a in range(10) for b in range(10)]
+  rows += ["{not json", json.dumps([1, 2]), json.dumps({"prompt": "1+1="}),
+           json.dumps({"prompt": "9" * 40 + "+1=", "answer": "0"})]  # Last: too long.
+  data.write_text("\n".join(rows) + "\n")
+  workdir = tmp_path / "run"
+  extra = ["Experiment.task = @JsonlTask()", f"JsonlTask.path = '{data}'",
+           "JsonlTask.format = 'prompt_answer'", "JsonlTask.template = '{question}'",
+           "Experiment.steps = 2", "EvalSpec.num_problems = 8"]
+  assert train.main(_argv(workdir, extra)) == 0
+  last = read_metrics(str(workdir / "metrics.jsonl"))[-1]
+  assert last["data/skipped_rows/invalid_json"] == 1
+  assert last["data/skipped_rows/not_an_object"] == 1
+  assert last["data/skipped_rows/missing_field"] == 1
+  assert "reward/mean" in last
