@@ -167,7 +167,9 @@ def _build(cls: type, default: Any = None, given: Optional[dict] = None) -> Any:
     else:
       continue  # Required: the constructor names it if it stays unset.
     if type(value) in _NAMES:
-      with gin.config_scope(field.name):
+      # The scope is the field name alone (not the path), so `trainer_mesh/MeshConfig.x`
+      # works wherever a PlacementConfig is built.
+      with gin.config_scope(None), gin.config_scope(field.name):
         value = _build(type(value), value)
     kwargs[field.name] = value
   return cls(**kwargs)
