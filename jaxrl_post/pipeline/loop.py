@@ -203,9 +203,10 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
   run_ = RLRun(exp, workdir, log)
   progress = run_.start()
   writer = MetricsWriter(workdir, tensorboard=exp.logging.tensorboard)
-  writer.truncate_after(progress.step)
+  fresh = not progress.eval_history  # No checkpoint: lines of a killed attempt are stale.
+  writer.truncate_after(-1 if fresh else progress.step)
   try:
-    if progress.step == 0 and not progress.eval_history:
+    if fresh:
       _record_eval(run_, progress, writer, extra=progress.counters)
       run_.save(progress)
     _loop(run_, progress, writer)
