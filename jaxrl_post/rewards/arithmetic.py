@@ -16,7 +16,7 @@ from typing import ClassVar, Sequence
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import seeded
-from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
+from jaxrl_post.rewards.base import Problem, check_int, check_template
 
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -53,8 +53,7 @@ class ArithmeticTask:
   num_train: int = 100_000
   num_eval: int = 200
   template: str = "{a}{op}{b}="
-  _eval: tuple[Triple, ...] = dataclasses.field(init=False, repr=False, compare=False)
-  _eval_set: frozenset[Triple] = dataclasses.field(init=False, repr=False, compare=False)
+  _splits: seeded.GeneratedSplits = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -74,11 +73,8 @@ class ArithmeticTask:
           f"{owner}: num_eval={self.num_eval} needs at least {2 * self.num_eval} distinct "
           f"problems, but operands {self.min_operand}..{self.max_operand} with "
           f"{len(self.operators)} operator(s) give {space}")
-    # Eager, so a bad config fails at construction; num_eval is small.
-    evals = seeded.draw_distinct(owner, self._draw, _key, self.num_eval,
-                                 seeded.Stream(self.seed, "arithmetic", "eval"))
-    object.__setattr__(self, "_eval", evals)
-    object.__setattr__(self, "_eval_set", frozenset(evals))
+    object.__setattr__(self, "_splits", seeded.GeneratedSplits(
+        owner, "arithmetic", self.seed, self._draw, _key, self.num_train, self.num_eval))
 
   def _check_operators(self, owner: str) -> None:
     ops = self.operators
@@ -95,23 +91,15 @@ class ArithmeticTask:
     op = stream.choice(self.operators)
     return a, op, stream.integer(self.min_operand, self.max_operand)
 
-  def _triple(self, split: str, index: int) -> Triple:
-    if split == "eval":
-      return self._eval[index]
-    stream = seeded.Stream(self.seed, "arithmetic", "train", index)
-    return seeded.draw_avoiding(type(self).__name__, self._draw, _key, self._eval_set, stream)
-
-  def _problem(self, split: str, index: int) -> Problem:
-    a, op, b = self._triple(split, index)
+  def _problem(self, split: str, index: int, triple: Triple) -> Problem:
+    a, op, b = triple
     shown_b = f"({b})" if b < 0 else str(b)  # "5-(-3)", not "5--3".
     return Problem(id=f"arith-{split}-{index}",
                    prompt=self.template.format(a=a, op=op, b=shown_b),
                    answer=str(_APPLY[op](a, b)))
 
   def split(self, name: str) -> Sequence[Problem]:
-    check_split(type(self).__name__, name)
-    length = self.num_train if name == "train" else self.num_eval
-    return seeded.LazySplit(length, lambda i: self._problem(name, i))
+    return self._splits.split(name, self._problem)
 
   def score(self, problem: Problem, completion: str) -> float:
     """1.0 iff the last number in `completion` equals the answer."""

@@ -18,7 +18,7 @@ from typing import ClassVar, Sequence
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import seeded
-from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
+from jaxrl_post.rewards.base import Problem, check_int, check_template
 
 DEFAULT_TEMPLATE = (
     "Using the numbers {numbers}, write an expression that equals {target}. Use each "
@@ -65,8 +65,7 @@ class CountdownTask:
   num_train: int = 100_000
   num_eval: int = 200
   template: str = DEFAULT_TEMPLATE
-  _eval: tuple[Puzzle, ...] = dataclasses.field(init=False, repr=False, compare=False)
-  _eval_keys: frozenset = dataclasses.field(init=False, repr=False, compare=False)
+  _splits: seeded.GeneratedSplits = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -85,10 +84,8 @@ class CountdownTask:
           f"{owner}: num_eval={self.num_eval} needs at least {2 * self.num_eval} number "
           f"sets, but {self.num_numbers} numbers in {self.min_number}..{self.max_number} "
           f"give {multisets}")
-    evals = seeded.draw_distinct(owner, self._draw, _key, self.num_eval,
-                                 seeded.Stream(self.seed, "countdown", "eval"))
-    object.__setattr__(self, "_eval", evals)
-    object.__setattr__(self, "_eval_keys", frozenset(map(_key, evals)))
+    object.__setattr__(self, "_splits", seeded.GeneratedSplits(
+        owner, "countdown", self.seed, self._draw, _key, self.num_train, self.num_eval))
 
   def _draw(self, stream: seeded.Stream) -> Puzzle:
     numbers = tuple(stream.integer(self.min_number, self.max_number)
@@ -96,23 +93,14 @@ class CountdownTask:
     target, solution = _random_expression(numbers, stream)
     return numbers, target, solution
 
-  def _puzzle(self, split: str, index: int) -> Puzzle:
-    if split == "eval":
-      return self._eval[index]
-    stream = seeded.Stream(self.seed, "countdown", "train", index)
-    return seeded.draw_avoiding(type(self).__name__, self._draw, _key, self._eval_keys,
-                                stream)
-
-  def _problem(self, split: str, index: int) -> Problem:
-    numbers, target, solution = self._puzzle(split, index)
+  def _problem(self, split: str, index: int, puzzle: Puzzle) -> Problem:
+    numbers, target, solution = puzzle
     prompt = self.template.format(numbers=f"[{', '.join(map(str, numbers))}]", target=target)
     return Problem(id=f"countdown-{split}-{index}", prompt=prompt, answer=str(target),
                    meta={"numbers": numbers, "solution": solution})
 
   def split(self, name: str) -> Sequence[Problem]:
-    check_split(type(self).__name__, name)
-    length = self.num_train if name == "train" else self.num_eval
-    return seeded.LazySplit(length, lambda i: self._problem(name, i))
+    return self._splits.split(name, self._problem)
 
   def score(self, problem: Problem, completion: str) -> float:
     """1.0 iff the final expression uses only offered numbers and equals the target."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Callable, Hashable, Iterator, TypeVar
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.rewards.base import Problem, check_split
 
 T = TypeVar("T")
 
@@ -104,3 +105,40 @@ class LazySplit(Sequence):
 
   def __iter__(self) -> Iterator[T]:
     return (self._get(i) for i in range(self._length))
+
+
+class GeneratedSplits:
+  """The train and eval items of a generated task, with eval never leaking into train.
+
+  Eval is `num_eval` draws with pairwise distinct keys, made eagerly (it is small, and a
+  problem space too small for it then fails when the task is built). Train item i comes
+  from its own stream, redrawn while its key is an eval key, so it costs nothing until read.
+
+  Args:
+    owner: the task's class name, for errors.
+    task: the task's name, part of every stream's key.
+    seed: the task's seed.
+    draw: one random item from a stream.
+    key: what makes two items the same problem.
+    num_train: length of the train split.
+    num_eval: length of the eval split.
+  """
+
+  def __init__(self, owner: str, task: str, seed: int, draw: Callable[[Stream], T],
+               key: Callable[[T], Hashable], num_train: int, num_eval: int):
+    self._owner, self._task, self._seed = owner, task, seed
+    self._draw, self._key = draw, key
+    self._lengths = {"train": num_train, "eval": num_eval}
+    self.eval = draw_distinct(owner, draw, key, num_eval, Stream(seed, task, "eval"))
+    self._eval_keys = frozenset(map(key, self.eval))
+
+  def item(self, split: str, index: int) -> T:
+    if split == "eval":
+      return self.eval[index]
+    stream = Stream(self._seed, self._task, "train", index)
+    return draw_avoiding(self._owner, self._draw, self._key, self._eval_keys, stream)
+
+  def split(self, name: str, make: Callable[[str, int, T], Problem]) -> LazySplit:
+    """The named split, its items turned into Problems by `make(split, index, item)`."""
+    check_split(self._owner, name)
+    return LazySplit(self._lengths[name], lambda i: make(name, i, self.item(name, i)))
