@@ -114,8 +114,9 @@ class LogSpec:
   progress: bool = True
 
 
-def _grpo(**kwargs) -> AdvantageConfig:
-  return AdvantageConfig(**{"name": "grpo", "group_size": 2} | kwargs)
+def _grpo() -> AdvantageConfig:
+  """GRPO; its group_size is replaced by RolloutSpec.group_size in `validate`."""
+  return AdvantageConfig("grpo", group_size=2)
 
 
 @dataclasses.dataclass(frozen=True)

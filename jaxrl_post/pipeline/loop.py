@@ -79,31 +79,37 @@ class RLRun:
   # ------------------------------------------------------------------ start
 
   def start(self) -> Progress:
-    """Restores the newest checkpoint, or warms up and saves step 0."""
+    """Restores the newest checkpoint, or warms up (the caller then saves step 0)."""
     latest = self.checkpointer.latest_step()
-    state = self.trainer.init_state(self._initial_params)
-    ref = self._reference(self._initial_params)
     if latest is None:
       progress = Progress()
-      state, ref = self._warm_up(state, ref, progress)
+      params = self._warm_up(self.trainer.place(self._initial_params), progress)
+      self.state, self.ref = self.trainer.init_state(params), self._reference(params)
     else:
-      abstract_ref = None if ref is None else abstract_like(ref)
-      state, ref, meta = self.checkpointer.restore(latest, abstract_like(state), abstract_ref)
-      progress = Progress(meta["step"], meta["eval_history"], meta["counters"])
-      self.prompts.set_state(meta["prompts"])
-      self.log(f"resumed from {self.checkpointer.directory}/{latest} (step {progress.step})")
-    self.state, self.ref = state, ref
+      progress = self._restore(latest)
     self._build_rollout(meta_version=progress.counters.get("weight_version", 0))
     return progress
 
-  def _warm_up(self, state, ref, progress: Progress):
-    if self.exp.sft.steps:
-      params, metrics = warm_up(self.model_cfg, self.trainer.full_params(state), self.task,
-                                self.tokenizer, self.exp.sft, self.exp.prompts,
-                                self.exp.rollout.max_new_tokens, self.exp.seed, self.log)
-      progress.counters["sft/final_loss"] = metrics["sft/final_loss"]
-      state, ref = self.trainer.init_state(params), self._reference(params)
-    return state, ref
+  def _warm_up(self, params: dict, progress: Progress) -> dict:
+    """The parameters after the supervised warm-up (unchanged when it has no steps)."""
+    if not self.exp.sft.steps:
+      return params
+    params, metrics = warm_up(self.model_cfg, params, self.task, self.tokenizer,
+                              self.exp.sft, self.exp.prompts, self.exp.rollout.max_new_tokens,
+                              self.exp.seed, self.log)
+    progress.counters["sft/final_loss"] = metrics["sft/final_loss"]
+    return params
+
+  def _restore(self, step: int) -> Progress:
+    # The initial weights give the restore targets their structure and shardings.
+    state = self.trainer.init_state(self._initial_params)
+    ref = self._reference(self._initial_params)
+    abstract_ref = None if ref is None else abstract_like(ref)
+    self.state, self.ref, meta = self.checkpointer.restore(step, abstract_like(state),
+                                                           abstract_ref)
+    self.prompts.set_state(meta["prompts"])
+    self.log(f"resumed from {self.checkpointer.directory}/{step} (step {meta['step']})")
+    return Progress(meta["step"], meta["eval_history"], meta["counters"])
 
   def _reference(self, params):
     """Frozen reference weights on the training mesh (None with LoRA: the base is it)."""

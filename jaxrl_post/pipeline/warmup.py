@@ -7,7 +7,6 @@ the step-0 checkpoint).
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -17,8 +16,9 @@ import numpy as np
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.models import ModelConfig, Tokenizer, abstract_model
 from jaxrl_post.rewards import Task
-from jaxrl_post.rl.packing import Trajectory, pack
+from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rl.sft import SftConfig, SftTrainer
+from jaxrl_post.rl.trainer import pack_micro_batches
 
 
 def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: int,
@@ -49,8 +49,9 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
   loss = float("nan")
   for step in range(1, cfg.steps + 1):
     batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
-    rows = 1 << math.ceil(math.log2(len(pack(batch, cfg.row_tokens).tokens)))
-    params, opt_state, loss = trainer.step(params, opt_state, batch, rows, max_new_tokens)
+    inputs, = pack_micro_batches(batch, [list(range(len(batch)))], cfg.row_tokens,
+                                 max_new_tokens)
+    params, opt_state, loss = trainer.step(params, opt_state, inputs)
     if step % every == 0 or step == cfg.steps:
       log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}")
   return params, {"sft/final_loss": float(loss)}

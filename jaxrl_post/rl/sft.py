@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -19,7 +17,6 @@ import optax
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Transformer
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
-from jaxrl_post.rl.packing import Trajectory, pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +34,8 @@ class SftConfig:
   row_tokens: int = 512
 
   def __post_init__(self):
-    for name in ("steps",):
-      if getattr(self, name) < 0:
-        raise UserError(f"sft config: {name} must be >= 0, got {getattr(self, name)}")
+    if self.steps < 0:
+      raise UserError(f"sft config: steps must be >= 0, got {self.steps}")
     for name in ("batch_size", "row_tokens"):
       if getattr(self, name) < 1:
         raise UserError(f"sft config: {name} must be >= 1, got {getattr(self, name)}")
@@ -65,15 +61,9 @@ class SftTrainer:
     return self.optimizer.init(params)
 
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-  def _step(self, params, opt_state, inputs: PackedInputs):
+  def step(self, params, opt_state, inputs: PackedInputs):
+    """One AdamW step on a packed batch; (params, opt_state, loss). Donates params and
+    opt_state."""
     loss, grads = jax.value_and_grad(lambda p: sft_loss(self.model, p, inputs))(params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
-
-  def step(self, params, opt_state, examples: Sequence[Trajectory], rows: int,
-           max_completion: int):
-    """One step on `examples`, packed into `rows` rows with completions padded to
-    `max_completion` tokens (fixed shapes, so it compiles once). Returns
-    (params, opt_state, loss)."""
-    packed = pack(list(examples), self.cfg.row_tokens, rows, max_completion)
-    return self._step(params, opt_state, PackedInputs.from_packed(packed))

@@ -35,9 +35,10 @@ def test_steps_lower_the_loss():
   trainer = SftTrainer(model, SftConfig(steps=20, learning_rate=1e-2, row_tokens=16))
   params = jax.tree.map(jnp.array, params_of(model))
   opt = trainer.init(params)
+  inputs = PackedInputs.from_packed(pack(EXAMPLES, 16, 4, 2))
   losses = []
   for _ in range(20):
-    params, opt, loss = trainer.step(params, opt, EXAMPLES, 4, 2)
+    params, opt, loss = trainer.step(params, opt, inputs)
     losses.append(float(loss))
   assert losses[-1] < 0.5 * losses[0]
 
