@@ -32,16 +32,21 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.models.transformer import Transformer, abstract_model, params_of, with_params
+from jaxrl_post.models.transformer import (Transformer, abstract_model, logical_axes,
+                                           params_of, with_params)
 from jaxrl_post.rollout import forward
 from jaxrl_post.rollout.attention import SharedPrefix
+from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
-                                      PoolConfig, cdiv, copy_pages, resolve_num_pages)
+                                      PoolConfig, cdiv, copy_pool_pages,
+                                      resolve_num_pages)
 from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
 from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
+from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, tree_shardings
 
 _MIN_CHUNK = 16  # Smallest prefill chunk shape; chunks are powers of two up to the limit.
 
@@ -128,17 +133,27 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
   return with_params(_template(cfg), params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout"),
+                   donate_argnames=("pool",))
 def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
-                 cfg: ModelConfig, steps: int):
+                 cfg: ModelConfig, steps: int, layout: RolloutLayout):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
   for the call, so it stays out of the loop carry.
 
   Returns:
-    (pool, final state, tokens [B, steps] (-1 where a slot produced none), logprobs).
+    (pool, final state, tokens [B, steps] (-1 where a slot produced none), logprobs); all
+    but the pool replicated, so every process reads them whole.
   """
+  with activation_rules(ROLLOUT_RULES, layout.mesh):
+    pool, state, out_tokens, out_logprobs = _decode_steps(params, pool, state, shared, cfg,
+                                                          steps, layout)
+  whole = lambda x: jax.lax.with_sharding_constraint(x, layout.replicated)
+  return pool, jax.tree.map(whole, state), whole(out_tokens), whole(out_logprobs)
+
+
+def _decode_steps(params, pool, state, shared, cfg, steps, layout):
   model = _bind(cfg, params)
   b = state.tokens.shape[0]
   out_tokens = jnp.full((b, steps), -1, jnp.int32)
@@ -151,7 +166,7 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   def body(carry):
     i, pool, st, out_tokens, out_logprobs = carry
     logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
-                                       st.active, shared)
+                                       st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p)
     on = st.active
@@ -168,21 +183,54 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   return pool, state, out_tokens, out_logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
-def _prefill(params, pool: KVPool, tokens, start, num_valid, page_table, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
+def _prefill(params, pool: KVPool, tokens, start, num_valid, page_table, *, cfg: ModelConfig,
+             layout: RolloutLayout):
   """One prompt chunk per row into the pool; (pool, logits [B, V] after each row's last token)."""
-  logits, pool = forward.prefill_chunk(_bind(cfg, params), pool, tokens, start, num_valid,
-                                       page_table)
+  with activation_rules(ROLLOUT_RULES, layout.mesh):
+    logits, pool = forward.prefill_chunk(_bind(cfg, params), pool, tokens, start, num_valid,
+                                         page_table, layout)
   return pool, logits
 
 
-@jax.jit
-def _sample_first(logits, seeds, sample_ids, temperature, top_k, top_p):  # [1, V], [K] x5
-  """Each sample's first token (token index 0) from the prompt's last logits."""
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _sample_first(logits, row, seeds, sample_ids, temperature, top_k, top_p, *,
+                  layout: RolloutLayout):  # [R, V], [], [K] x5
+  """Each sample's first token (token index 0) from the last logits of prefill row `row`."""
   k = seeds.shape[0]
   keys = token_keys(seeds, sample_ids, jnp.zeros((k,), jnp.int32))
-  return sample(jnp.broadcast_to(logits, (k, logits.shape[-1])), keys, temperature, top_k,
-                top_p)
+  last = jax.lax.dynamic_index_in_dim(logits, row, keepdims=True)  # [1, V]
+  out = sample(jnp.broadcast_to(last, (k, logits.shape[-1])), keys, temperature, top_k, top_p)
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=0)
+def _copy_pages(pool: KVPool, src, dst, *, layout: RolloutLayout) -> KVPool:
+  """Per data shard, copies its pages src[s, i] -> dst[s, i] (shard-local ids)."""
+  specs = KVPool(layout.pool_spec, layout.pool_spec)
+  local = layout.per_device(lambda p, a, b: copy_pool_pages(p, a[0], b[0]),
+                            in_specs=(specs, layout.rows_spec(2), layout.rows_spec(2)),
+                            out_specs=specs)
+  return local(pool, src, dst)
+
+
+def _zeros_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                layout: RolloutLayout) -> KVPool:
+  """The pool created in place on its devices (no host or single-device staging copy)."""
+  sharding = layout.sharding(layout.pool_spec)
+  make = jax.jit(lambda: KVPool.zeros(cfg, num_pages, page_size, dtype),
+                 out_shardings=KVPool(sharding, sharding))
+  return make()
+
+
+def _placed(x, sharding):
+  """x in `sharding`: as is when already there, else copied onto the mesh."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _pow2_at_least(n: int) -> int:
@@ -200,6 +248,7 @@ class Prefix:
     sample_ids: indices (within the request) of the samples this prefix serves.
     seq: the prompt's pages, plus the reservation for every sample not yet inserted.
     private_pages: pages one sample may need beyond the shared full prompt pages.
+    shard: the data shard whose pages hold the prompt; its samples decode in its slots.
     prefilled: prompt tokens written so far.
     first_tokens / first_logprobs / first_version: each sample's first token, once prefilled.
     next_sample: samples handed out so far (inserted or finished at their first token).
@@ -211,6 +260,7 @@ class Prefix:
   sample_ids: tuple[int, ...]
   seq: PagedSequence
   private_pages: int
+  shard: int = 0
   prefilled: int = 0
   first_tokens: np.ndarray | None = None
   first_logprobs: np.ndarray | None = None
@@ -249,49 +299,80 @@ class ResultTokens:
 
 
 class Engine:
-  """Paged-KV decode engine over a fixed number of slots and one KV page pool."""
+  """Paged-KV decode engine over decode slots and a KV page pool, on one device or a mesh.
+
+  On a rollout mesh (`mesh=`), slots and pages are split over its "data" axis and KV heads
+  over "tensor" (see rollout.layout): one jitted program drives every device, and each data
+  shard has its own page allocator, so a prompt's pages and its samples' slots stay on one
+  shard. num_slots is rounded up to whole blocks on every data shard; PoolConfig sizes the
+  pages of one data shard (each of its devices holds them, for its KV heads).
+  """
 
   def __init__(self, model_config: ModelConfig, params, config: EngineConfig = EngineConfig(),
-               *, version: int = 0):
+               *, version: int = 0, mesh: Mesh | None = None):
     self.model_config, self.config = model_config, config
+    self.layout = RolloutLayout.build(model_config, mesh)
+    self.shards = self.layout.data_shards
     self.set_weights(params, version)
     self.kv_dtype = jnp.dtype(config.kv_dtype or model_config.compute_dtype)
     self.page_size = config.pool.page_size
-    num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype)
-    self.pool = KVPool.zeros(model_config, num_pages, self.page_size, self.kv_dtype)
-    self.alloc = PageAllocator(num_pages)
+    kv_shards = self.layout.mesh.shape["tensor"] if self.layout.kv_axis else 1
+    num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype,
+                                  self.layout.mesh.devices.flat[0], kv_shards=kv_shards)
+    self.pool = _zeros_pool(model_config, self.shards * num_pages, self.page_size,
+                            self.kv_dtype, self.layout)
+    self.allocs = [PageAllocator(num_pages) for _ in range(self.shards)]
     context = model_config.max_position_embeddings
     self.max_seq_len = min(config.max_seq_len or context, context)
     self.max_pages = cdiv(self.max_seq_len, self.page_size)
-    self._slots = _host_slots(config.num_slots, self.max_pages, config.max_stop_ids)
-    self._seqs: list[PagedSequence | None] = [None] * config.num_slots
-    self._final_len = np.zeros((config.num_slots,), np.int64)  # Most tokens a slot writes.
+    self.num_slots = shard_count(config.num_slots, self.shards, config.group_slots)
+    self.slots_per_shard = self.num_slots // self.shards
+    self._slots = _host_slots(self.num_slots, self.max_pages, config.max_stop_ids)
+    self._seqs: list[PagedSequence | None] = [None] * self.num_slots
+    self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
-    blocks = config.num_slots // config.group_slots if config.group_slots else 0
+    blocks = self.num_slots // config.group_slots if config.group_slots else 0
     self._block_table = np.full((blocks, self.max_pages), TRASH_PAGE, np.int32)
     self._block_len = np.zeros((blocks,), np.int32)
     self.cascade = bool(config.group_slots) and model_config.sliding_window is None
 
   @classmethod
   def from_model(cls, model: Transformer, config: EngineConfig = EngineConfig(), *,
-                 version: int = 0) -> "Engine":
-    return cls(model.config, params_of(model), config, version=version)
+                 version: int = 0, mesh: Mesh | None = None) -> "Engine":
+    return cls(model.config, params_of(model), config, version=version, mesh=mesh)
 
   # ------------------------------------------------------------------ weights
 
   def set_weights(self, params, version: int) -> None:
-    """Uses `params` (a `params_of(model)` dict) from the next device call on."""
-    want = jax.tree.structure(params_of(_template(self.model_config)))
+    """Uses `params` (a `params_of(model)` dict) from the next device call on.
+
+    Weights not already in the rollout sharding of this engine's mesh are moved there.
+    """
+    template = _template(self.model_config)
+    want = jax.tree.structure(params_of(template))
     if jax.tree.structure(params) != want:
       raise UserError("set_weights: the parameter tree does not match the model config")
-    self.params = jax.tree.map(jnp.asarray, params)
+    shardings = tree_shardings(logical_axes(template), params_of(template), ROLLOUT_RULES,
+                               self.layout.mesh)
+    self.params = jax.tree.map(_placed, params, shardings)
     self.version = int(version)
 
   # ------------------------------------------------------------------ queries
 
   @property
   def max_concurrent_decodes(self) -> int:
-    return self.config.num_slots
+    return self.num_slots
+
+  @property
+  def alloc(self) -> PageAllocator:
+    """The page allocator of a one-shard engine (see `allocs` on a data-parallel mesh)."""
+    if self.shards != 1:
+      raise AttributeError("this engine has one allocator per data shard: use allocs")
+    return self.allocs[0]
+
+  def shard_of(self, slot: int) -> int:
+    """The data shard that decodes `slot` (its pages live there)."""
+    return slot // self.slots_per_shard
 
   @property
   def group_slots(self) -> int:
@@ -300,7 +381,7 @@ class Engine:
 
   @property
   def pages_in_use(self) -> int:
-    return self.alloc.in_use
+    return sum(a.in_use for a in self.allocs)
 
   def private_pages(self, prompt_len: int, max_tokens: int) -> int:
     """Pages one sample may need beyond the shared full prompt pages.
@@ -313,7 +394,7 @@ class Engine:
 
   def max_group_size(self, prompt_len: int, max_tokens: int) -> int:
     """Most samples of one prompt that fit in the pool together (0: not even one)."""
-    room = self.alloc.usable - cdiv(prompt_len, self.page_size)
+    room = self.allocs[0].usable - cdiv(prompt_len, self.page_size)
     room += 1 if prompt_len % self.page_size else 0  # See new_prefix.
     private = self.private_pages(prompt_len, max_tokens)
     if room < private or room < 0:
@@ -340,53 +421,70 @@ class Engine:
     if self.max_group_size(len(prompt), sampling.max_tokens) == 0:
       raise UserError(f"a prompt of {len(prompt)} tokens with max_new_tokens="
                       f"{sampling.max_tokens} needs more KV pages than the pool's "
-                      f"{self.alloc.usable}")
+                      f"{self.allocs[0].usable} (per data shard)")
 
   # ------------------------------------------------------------------ prefill
 
   def new_prefix(self, prompt: Sequence[int], sampling: SamplingParams, seed: int,
-                 sample_ids: Sequence[int]) -> Prefix | None:
-    """Reserves every page the prompt and its samples may need; None if the pool is short.
+                 sample_ids: Sequence[int], shard: int = 0) -> Prefix | None:
+    """Reserves every page the prompt and its samples may need on data shard `shard`;
+    None if that shard's pool is short.
 
     The caller validates the request first (`validate`).
     """
+    alloc = self.allocs[shard]
     prompt = np.asarray(prompt, np.int32)
     private = self.private_pages(len(prompt), sampling.max_tokens)
     need = cdiv(len(prompt), self.page_size) + len(sample_ids) * private
     if len(prompt) % self.page_size:
       need -= 1  # The last sample inherits the partial prompt page instead of copying it.
-    if not self.alloc.reserve(need):
+    if not alloc.reserve(need):
       return None
-    seq = PagedSequence(self.alloc, self.page_size, reserved=need)
+    seq = PagedSequence(alloc, self.page_size, reserved=need)
     seq.grow(len(prompt))
-    return Prefix(prompt, sampling, int(seed), tuple(int(i) for i in sample_ids), seq, private)
+    return Prefix(prompt, sampling, int(seed), tuple(int(i) for i in sample_ids), seq, private,
+                  shard=shard)
 
   def prefill(self, prefix: Prefix) -> bool:
     """Writes the next chunk of the prompt; True once the prompt is done and first tokens drawn."""
-    p, start = len(prefix.prompt), prefix.prefilled
-    n = min(self.config.prefill_chunk, p - start)
-    chunk = min(max(_pow2_at_least(n), _MIN_CHUNK), self.config.prefill_chunk)
-    tokens = np.zeros((1, chunk), np.int32)
-    tokens[0, :n] = prefix.prompt[start:start + n]
-    width = self._table_width(cdiv(start + n, self.page_size))
-    row = prefix.seq.table_row(self.max_pages)[None, :width]
-    self.pool, logits = _prefill(self.params, self.pool, tokens, np.array([start], np.int32),
-                                 np.array([n], np.int32), row, cfg=self.model_config)
-    prefix.prefilled += n
-    if prefix.prefilled == p:
-      self._draw_first_tokens(prefix, logits)
-    return prefix.done
+    return self.prefill_batch([prefix])[0]
+
+  def prefill_batch(self, prefixes: Sequence[Prefix]) -> list[bool]:
+    """The next chunk of each prefix in one device call (at most one prefix per data shard:
+    each shard's row writes its own pages). Returns, per prefix, whether it is done."""
+    shards = [p.shard for p in prefixes]
+    assert len(set(shards)) == len(shards), f"two prefixes on one data shard: {shards}"
+    counts = [min(self.config.prefill_chunk, len(p.prompt) - p.prefilled) for p in prefixes]
+    chunk = min(max(_pow2_at_least(max(counts)), _MIN_CHUNK), self.config.prefill_chunk)
+    rows = self.shards
+    tokens = np.zeros((rows, chunk), np.int32)
+    start, num_valid = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+    tables = np.full((rows, self.max_pages), TRASH_PAGE, np.int32)
+    for prefix, n in zip(prefixes, counts):
+      r, first = prefix.shard, prefix.prefilled
+      tokens[r, :n] = prefix.prompt[first:first + n]
+      start[r], num_valid[r] = first, n
+      tables[r] = prefix.seq.table_row(self.max_pages)
+    width = self._table_width(max(cdiv(s + n, self.page_size) for s, n in zip(start, num_valid)))
+    operands = self.layout.put_rows((tokens, start, num_valid, tables[:, :width]))
+    self.pool, logits = _prefill(self.params, self.pool, *operands, cfg=self.model_config,
+                                 layout=self.layout)
+    for prefix, n in zip(prefixes, counts):
+      prefix.prefilled += n
+      if prefix.prefilled == len(prefix.prompt):
+        self._draw_first_tokens(prefix, logits)
+    return [p.done for p in prefixes]
 
   def _draw_first_tokens(self, prefix: Prefix, logits) -> None:
     k = len(prefix.sample_ids)
-    kp = max(_pow2_at_least(k), self.config.num_slots)  # Padded: few compiled shapes.
+    kp = _pow2_at_least(k)  # Padded to a power of two: few compiled shapes.
     s = prefix.sampling
     ids = np.zeros((kp,), np.int32)
     ids[:k] = prefix.sample_ids
     tok, lp = jax.device_get(_sample_first(
-        logits, np.full((kp,), prefix.seed, np.uint32), ids,
+        logits, np.int32(prefix.shard), np.full((kp,), prefix.seed, np.uint32), ids,
         np.full((kp,), s.temperature, np.float32), np.full((kp,), s.top_k, np.int32),
-        np.full((kp,), s.top_p, np.float32)))
+        np.full((kp,), s.top_p, np.float32), layout=self.layout))
     prefix.first_tokens, prefix.first_logprobs = tok[:k], lp[:k]
     prefix.first_version = self.version
 
@@ -403,6 +501,7 @@ class Engine:
     prefix per block.
     """
     assert prefix.done and len(slots) <= prefix.remaining, (prefix.done, len(slots))
+    assert all(self.shard_of(s) == prefix.shard for s in slots), (prefix.shard, slots)
     self._check_blocks(prefix, slots)
     copies = []
     for slot in slots:
@@ -418,10 +517,14 @@ class Engine:
       self._fill_slot(slot, prefix, i, seq)
       self._join_block(slot, len(prefix.prompt) // self.page_size, seq)
     if copies:
-      src, dst = (np.array(c, np.int32) for c in zip(*copies))
-      pad = _pow2_at_least(len(src)) - len(src)
-      src, dst = np.pad(src, (0, pad)), np.pad(dst, (0, pad))  # Padding copies 0 -> 0.
-      self.pool = copy_pages(self.pool, src, dst)
+      self._copy(prefix.shard, copies)
+
+  def _copy(self, shard: int, copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write page copies on one data shard (the others copy sink to sink)."""
+    width = _pow2_at_least(len(copies))
+    src, dst = (np.zeros((self.shards, width), np.int32) for _ in range(2))  # 0 -> 0 pads.
+    src[shard, :len(copies)], dst[shard, :len(copies)] = zip(*copies)
+    self.pool = _copy_pages(self.pool, *self.layout.put_rows((src, dst)), layout=self.layout)
 
   def skip(self, prefix: Prefix) -> None:
     """Consumes the prefix's next sample, which finished at its first token."""
@@ -494,8 +597,10 @@ class Engine:
       state, shared = self._cascade_operands()
     else:
       state, shared = s._replace(page_table=s.page_table[:, :self._table_width(widest)]), None
+    state, shared = self.layout.put_rows((state, shared))
     self.pool, st, tokens, logprobs = _decode_loop(self.params, self.pool, state, shared,
-                                                   cfg=self.model_config, steps=steps)
+                                                   cfg=self.model_config, steps=steps,
+                                                   layout=self.layout)
     st, tokens, logprobs = jax.device_get((st, tokens, logprobs))
     was_active = s.active.copy()
     for name in ("tokens", "lengths", "num_generated", "active"):

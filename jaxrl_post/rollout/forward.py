@@ -11,18 +11,25 @@ The decode step has two attention modes. Plain: each row's page table covers all
 tokens. Cascade (a `SharedPrefix` is given): rows come in blocks of samples of one prompt,
 the block's shared prompt pages are attended once per block, and each row's page table
 holds only its own pages, which start right after the shared prefix.
+
+On a rollout mesh (see rollout.layout) the layers' matrices run under GSPMD; the K/V write
+and the attention run per device inside shard_map, each device seeing its data shard's
+rows and pages (shard-local page ids) and its KV heads.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.transformer import Transformer, post_attention, qkv_projection
 from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention,
                                           paged_decode_attention, paged_prefill_attention)
+from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
+from jaxrl_post.sharding import constrain
 
 
 def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N, Hkv, D] x2
@@ -48,6 +55,7 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
 
   def body(carry, layer_in):
     x, pool = carry
+    x = constrain(x, ("batch", None, "embed"))  # Rows stay on their data shard.
     p, layer = layer_in
     q, k, v = qkv_projection(cfg, x, p, positions)
     attn, pool = attend_and_write(pool, layer, q, k, v)
@@ -62,41 +70,64 @@ def _final_logits(model: Transformer, h):  # [B, D] -> [B, V] float32
   return model.logits(L.rms_norm(h, model.final_norm[...], model.config.rms_norm_eps))
 
 
-class _DecodeAttention:
-  """The decode step's per-layer write + attention, with the step's fixed operands."""
+def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active,
+                  shared: SharedPrefix | None):
+  """One device's decode write + attention over its slots and pages (ids shard-local).
 
-  def __init__(self, cfg, page_table, lengths, active, shared: SharedPrefix | None):
-    self.cfg, self.page_table, self.lengths, self.active = cfg, page_table, lengths, active
-    self.positions = lengths[:, None]  # [B, 1]
-    self.table_start = 0  # Position of each row's first page-table token.
-    self.shared = shared
-    if shared is not None:
-      if cfg.sliding_window is not None:
-        raise ValueError("cascade decode attention has no sliding window")
-      rows_per_block = lengths.shape[0] // shared.lengths.shape[0]
-      self.table_start = jnp.repeat(shared.lengths, rows_per_block)[:, None]  # [B, 1]
-      # Free slots attend to nothing, and a block with no live row skips its prefix read.
-      live = active.reshape(-1, rows_per_block).any(axis=1)  # [G]
-      self.shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
-      self.suffix_lengths = jnp.where(active, lengths + 1 - self.table_start[:, 0], 0)  # [B]
+  q [B, Hq, D], k/v [B, Hkv, D]; every other operand as in `decode_step`. Returns
+  (attn [B, Hq, D], pool).
+  """
+  ps = pool.k.shape[3]
+  table_start = 0  # Position of each row's first page-table token.
+  if shared is not None:
+    if cfg.sliding_window is not None:
+      raise ValueError("cascade decode attention has no sliding window")
+    rows_per_block = lengths.shape[0] // shared.lengths.shape[0]
+    table_start = jnp.repeat(shared.lengths, rows_per_block)  # [B]
+    # Free slots attend to nothing, and a block with no live row skips its prefix read.
+    live = active.reshape(-1, rows_per_block).any(axis=1)  # [G]
+    shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
+  page_index = (lengths - table_start) // ps  # [B]
+  pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
+  pool = _write_kv(pool, layer, pages, lengths % ps, k, v)
+  if shared is None:
+    attn = paged_decode_attention(q, pool.k, pool.v, layer, page_table, lengths + 1,
+                                  cfg.sliding_window)
+  else:
+    suffix_lengths = jnp.where(active, lengths + 1 - table_start, 0)  # [B]
+    attn = cascade_decode_attention(q, pool.k, pool.v, layer, shared, page_table,
+                                    suffix_lengths)
+  return attn, pool
 
-  def _attend(self, pool, layer, q):  # q [B, Hq, D] -> [B, Hq, D]
-    if self.shared is None:
-      return paged_decode_attention(q, pool.k, pool.v, layer, self.page_table,
-                                    self.lengths + 1, self.cfg.sliding_window)
-    return cascade_decode_attention(q, pool.k, pool.v, layer, self.shared, self.page_table,
-                                    self.suffix_lengths)
 
-  def __call__(self, pool, layer, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
-    ps = pool.k.shape[3]
-    page_index = (self.positions - self.table_start) // ps  # [B, 1]
-    pages = _target_pages(self.page_table, page_index, self.active[:, None])[:, 0]
-    pool = _write_kv(pool, layer, pages, self.lengths % ps, k[:, 0], v[:, 0])
-    return self._attend(pool, layer, q[:, 0])[:, None], pool
+def _pool_specs(layout: RolloutLayout) -> KVPool:
+  return KVPool(layout.pool_spec, layout.pool_spec)
+
+
+def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
+                      shared: SharedPrefix | None):
+  """attend_and_write for `_run_layers`: the per-device decode write + attention."""
+  rows = layout.rows_spec
+  heads = layout.heads_spec(3)
+  shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
+  local = layout.per_device(
+      lambda pool, layer, q, k, v, table, lens, act, *sh: _decode_local(
+          cfg, pool, layer, q, k, v, table, lens, act, sh[0] if sh else None),
+      in_specs=(_pool_specs(layout), P(), heads, heads, heads, rows(2), rows(1), rows(1),
+                *shared_specs),
+      out_specs=(heads, _pool_specs(layout)))
+  extra = () if shared is None else (shared,)
+
+  def attend(pool, layer, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
+    attn, pool = local(pool, layer, q[:, 0], k[:, 0], v[:, 0], page_table, lengths, active,
+                       *extra)
+    return attn[:, None], pool
+
+  return attend
 
 
 def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
-                shared: SharedPrefix | None = None):
+                shared: SharedPrefix | None = None, layout: RolloutLayout | None = None):
   """Feeds each row's next token at position `lengths` and returns next-token logits.
 
   Args:
@@ -104,41 +135,50 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
     pool: the KV pool.
     tokens: [B] int32 the token to feed per row.
     lengths: [B] int32 tokens already in the row's pages (= the fed token's position).
-    page_table: [B, M] int32, covering position `lengths` for active rows: all the row's
-      pages, or with `shared` only those after its block's shared prefix.
+    page_table: [B, M] int32 shard-local page ids, covering position `lengths` for active
+      rows: all the row's pages, or with `shared` only those after its block's shared
+      prefix.
     active: [B] bool; inactive rows write to the sink page and their logits are garbage.
     shared: None for plain paged attention; else cascade attention over blocks of
       B // G rows that share these prompt pages (the model must have no sliding window).
+    layout: where the rows and pages live (default: one device).
 
   Returns:
     (logits [B, V] float32, updated pool).
   """
+  layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
-  attend = _DecodeAttention(model.config, page_table, lengths, active, shared)
-  x, pool = _run_layers(model, pool, x, attend.positions, attend)
+  attend = _decode_attention(layout, model.config, page_table, lengths, active, shared)
+  x, pool = _run_layers(model, pool, x, lengths[:, None], attend)
   return _final_logits(model, x[:, 0]), pool
 
 
-class _PrefillAttention:
-  """A prefill chunk's per-layer write + causal attention over the rows' pages."""
-
-  def __init__(self, cfg, page_table, start, num_valid, width):
-    self.cfg, self.page_table = cfg, page_table
-    self.positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
-    self.valid = jnp.arange(width)[None, :] < num_valid[:, None]  # [B, T]
-    self.kv_lengths = start + num_valid  # [B]
-
-  def __call__(self, pool, layer, q, k, v):  # q [B, T, Hq, D], k/v [B, T, Hkv, D]
-    ps = pool.k.shape[3]
-    pages = _target_pages(self.page_table, self.positions // ps, self.valid)  # [B, T]
-    flat = lambda a: a.reshape(-1, *a.shape[2:])
-    pool = _write_kv(pool, layer, flat(pages), flat(self.positions % ps), flat(k), flat(v))
-    attn = paged_prefill_attention(q, pool.k, pool.v, layer, self.page_table, self.positions,
-                                   self.kv_lengths, self.cfg.sliding_window)
-    return attn, pool
+def _prefill_local(cfg, pool: KVPool, layer, q, k, v, page_table, start, num_valid):
+  """One device's prefill write + causal attention (q [B, T, Hq, D], k/v [B, T, Hkv, D])."""
+  width, ps = q.shape[1], pool.k.shape[3]
+  positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
+  valid = jnp.arange(width)[None, :] < num_valid[:, None]  # [B, T]
+  pages = _target_pages(page_table, positions // ps, valid)  # [B, T]
+  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  pool = _write_kv(pool, layer, flat(pages), flat(positions % ps), flat(k), flat(v))
+  attn = paged_prefill_attention(q, pool.k, pool.v, layer, page_table, positions,
+                                 start + num_valid, cfg.sliding_window)
+  return attn, pool
 
 
-def prefill_chunk(model: Transformer, pool: KVPool, tokens, start, num_valid, page_table):
+def _prefill_attention(layout: RolloutLayout, cfg, page_table, start, num_valid):
+  rows, heads = layout.rows_spec, layout.heads_spec(4)
+  local = layout.per_device(
+      lambda pool, layer, q, k, v, table, st, n: _prefill_local(cfg, pool, layer, q, k, v,
+                                                                table, st, n),
+      in_specs=(_pool_specs(layout), P(), heads, heads, heads, rows(2), rows(1), rows(1)),
+      out_specs=(heads, _pool_specs(layout)))
+  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, page_table, start,
+                                            num_valid)
+
+
+def prefill_chunk(model: Transformer, pool: KVPool, tokens, start, num_valid, page_table,
+                  layout: RolloutLayout | None = None):
   """Writes a chunk of each row's prompt into its pages; logits of each row's last token.
 
   Args:
@@ -146,14 +186,19 @@ def prefill_chunk(model: Transformer, pool: KVPool, tokens, start, num_valid, pa
     pool: the KV pool.
     tokens: [B, T] int32 chunk tokens, right-padded.
     start: [B] int32 position of each row's first chunk token (tokens before it are in pages).
-    num_valid: [B] int32 real tokens in each row's chunk (>= 1).
-    page_table: [B, M] int32 covering positions < start + num_valid.
+    num_valid: [B] int32 real tokens in each row's chunk (0: an idle row, whose logits
+      are garbage).
+    page_table: [B, M] int32 shard-local page ids covering positions < start + num_valid.
+    layout: where the rows and pages live (default: one device).
 
   Returns:
     (logits [B, V] float32 after each row's last valid token, updated pool).
   """
+  layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens)  # [B, T, D]
-  attend = _PrefillAttention(model.config, page_table, start, num_valid, tokens.shape[1])
-  x, pool = _run_layers(model, pool, x, attend.positions, attend)
-  last = jnp.take_along_axis(x, (num_valid - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  attend = _prefill_attention(layout, model.config, page_table, start, num_valid)
+  x, pool = _run_layers(model, pool, x, positions, attend)
+  last_index = jnp.maximum(num_valid - 1, 0)[:, None, None]
+  last = jnp.take_along_axis(x, last_index, axis=1)[:, 0]  # [B, D]
   return _final_logits(model, last), pool

@@ -15,7 +15,6 @@ a request that does not fit waits instead of failing or overwriting a live page.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -74,15 +73,19 @@ def _free_device_bytes(device) -> int | None:
   return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None) -> int:
-  """The page count a PoolConfig asks for on `device` (default: the first device)."""
+def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None,
+                      kv_shards: int = 1) -> int:
+  """The page count a PoolConfig asks for on `device` (default: the first device).
+
+  kv_shards: how many devices split the KV heads, so a device holds 1/kv_shards of a page.
+  """
   if pool.num_pages is not None:
     return pool.num_pages
   budget = pool.memory_bytes
   if budget is None:
     free = _free_device_bytes(device or jax.devices()[0])
     budget = pool.fallback_bytes if free is None else int(pool.memory_fraction * free)
-  n = budget // page_bytes(cfg, pool.page_size, dtype)
+  n = budget * kv_shards // page_bytes(cfg, pool.page_size, dtype)
   if n < 2:
     raise UserError(f"pool config: a budget of {budget} bytes holds {n} KV pages of "
                     f"{pool.page_size} tokens; at least 2 are needed")
@@ -104,11 +107,13 @@ class KVPool(NamedTuple):
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def copy_pages(pool: KVPool, src, dst) -> KVPool:  # src, dst [C] int32
+def copy_pool_pages(pool: KVPool, src, dst) -> KVPool:  # src, dst [C] int32
   """Copies pages src[i] -> dst[i] in every layer and head (padding pairs use 0 -> 0)."""
   return KVPool(pool.k.at[:, :, dst].set(pool.k[:, :, src]),
                 pool.v.at[:, :, dst].set(pool.v[:, :, src]))
+
+
+copy_pages = jax.jit(copy_pool_pages, donate_argnums=0)
 
 
 class PageAllocator:

@@ -25,9 +25,15 @@ leaves the rest of its block idle until every sample in it finishes, when the bl
 again (continuous batching at block granularity). Without blocks every slot is a block of
 one, which is plain continuous batching.
 
-The scheduler knows the engine only through its methods (new_prefix, prefill, bulk_insert,
-skip, generate, free_resource, validate, max_group_size, max_concurrent_decodes,
-group_slots).
+Data shards: on a rollout mesh the engine's slots and pages are split over D data shards
+(slots [s * B/D, (s + 1) * B/D) decode with shard s's pages). A prompt is admitted to one
+shard, the one with the most free blocks not yet promised, and its samples enter only that
+shard's blocks; one prefill call writes a chunk of the oldest prefilling prompt of every
+shard. With one shard this is exactly the single-device behaviour.
+
+The scheduler knows the engine only through its methods (new_prefix, prefill_batch,
+bulk_insert, skip, generate, free_resource, validate, max_group_size,
+max_concurrent_decodes, group_slots, shards).
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ class Scheduler:
     self.ready: collections.deque = collections.deque()  # (group, prefix), prefilled
     self.slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
     self.block_size = engine.group_slots or 1  # Slots a prompt's samples enter together.
+    self.shards = engine.shards  # Data shards: a prompt's pages and slots share one.
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
     self._next_id = 0
@@ -164,63 +171,91 @@ class Scheduler:
       self.step()
     return self.results
 
-  def _free_blocks(self) -> collections.deque:
-    """Each wholly free block, as a deque of its slot indices, lowest first."""
-    k = self.block_size
-    blocks = (range(first, first + k) for first in range(0, len(self.slots), k))
-    return collections.deque(collections.deque(b) for b in blocks
-                             if all(self.slots[i] is None for i in b))
+  def _free_blocks(self) -> list[collections.deque]:
+    """Per data shard, each wholly free block as a deque of its slot indices, lowest first."""
+    k, per_shard = self.block_size, len(self.slots) // self.shards
+    out = [collections.deque() for _ in range(self.shards)]
+    for first in range(0, len(self.slots), k):
+      block = range(first, first + k)
+      if all(self.slots[i] is None for i in block):
+        out[first // per_shard].append(collections.deque(block))
+    return out
 
   def _blocks_needed(self, samples: int) -> int:
     return -(-samples // self.block_size)
 
+  def _pending(self) -> list[int]:
+    """Per data shard, blocks that prefixes on their way to a slot will take."""
+    pending = [0] * self.shards
+    for _, p in (*self.prefilling, *self.ready):
+      pending[p.shard] += self._blocks_needed(p.remaining)
+    return pending
+
   def _admit(self) -> None:
-    free = len(self._free_blocks())
-    pending = sum(self._blocks_needed(p.remaining) for _, p in (*self.prefilling, *self.ready))
-    while self.waiting and pending < free:
+    """Waiting groups become prefixes (first come, first served) on the data shard with
+    the most free blocks not yet promised; a group whose pages no shard can promise waits."""
+    room = [len(f) - p for f, p in zip(self._free_blocks(), self._pending())]
+    while self.waiting:
       g = self.waiting[0]
-      prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids)
+      order = sorted((s for s in range(self.shards) if room[s] > 0), key=lambda s: -room[s])
+      prefix = None
+      for shard in order:
+        prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids,
+                                        shard=shard)
+        if prefix is not None:
+          break
       if prefix is None:
-        self.stats["admission_waits"] += 1
+        if order:
+          self.stats["admission_waits"] += 1
         return
       self.waiting.popleft()
       self.prefilling.append((g, prefix))
-      pending += self._blocks_needed(len(g.sample_ids))
+      room[prefix.shard] -= self._blocks_needed(len(g.sample_ids))
 
   def _prefill(self) -> None:
+    """Prompt chunks, one device call for the oldest prefilling prompt of each data shard."""
     budget = self.config.prefill_tokens_per_step if self._busy() else float("inf")
     while self.prefilling and budget > 0:
-      g, prefix = self.prefilling[0]
-      before = prefix.prefilled
-      done = self.engine.prefill(prefix)
-      budget -= prefix.prefilled - before
-      self.stats["prefill_chunks"] += 1
-      if done:
-        self.ready.append(self.prefilling.popleft())
+      batch, seen = [], set()
+      for item in self.prefilling:
+        if item[1].shard not in seen:
+          seen.add(item[1].shard)
+          batch.append(item)
+      before = sum(p.prefilled for _, p in batch)
+      self.engine.prefill_batch([p for _, p in batch])
+      budget -= sum(p.prefilled for _, p in batch) - before
+      self.stats["prefill_chunks"] += len(batch)
+      self.stats["prefill_calls"] += 1
+      for item in batch:
+        if item[1].done:
+          self.prefilling.remove(item)
+          self.ready.append(item)
 
   def _insert(self) -> list[tuple[int, int, Completion]]:
-    """Prefilled samples into free blocks, in order; a block never mixes two prompts."""
+    """Prefilled samples into free blocks of their data shard, in order; a block never
+    mixes two prompts."""
     finished = []
     blocks = self._free_blocks()
-    while self.ready and blocks:
-      g, prefix = self.ready[0]
+    for item in list(self.ready):
+      g, prefix = item
+      free = blocks[prefix.shard]
       batch = []
-      while prefix.remaining > len(batch) and blocks:
+      while prefix.remaining > len(batch) and free:
         j = prefix.next_sample + len(batch)
         if not prefix.finishes_at_first(j):
-          batch.append(blocks[0].popleft())
-          if not blocks[0]:
-            blocks.popleft()
+          batch.append(free[0].popleft())
+          if not free[0]:
+            free.popleft()
           continue
         self._bulk_insert(g, prefix, batch)
         batch = []
         finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
         self.engine.skip(prefix)
       self._bulk_insert(g, prefix, batch)
-      if blocks and len(blocks[0]) < self.block_size:
-        blocks.popleft()  # This prompt's block: its free slots idle until it empties.
+      if free and len(free[0]) < self.block_size:
+        free.popleft()  # This prompt's block: its free slots idle until it empties.
       if prefix.remaining == 0:
-        self.ready.popleft()
+        self.ready.remove(item)
     return finished
 
   def _first_only(self, g: _Group, prefix, j: int) -> _Running:

@@ -1,0 +1,116 @@
+"""Where the rollout engine's arrays live on the rollout mesh.
+
+One jitted decode program runs over the whole rollout mesh:
+
+* decode slots (and prefill rows, and blocks of slots) are sharded over "data": data shard
+  s owns slots [s * B/D, (s + 1) * B/D) and its own range of KV pages;
+* the KV pool ``[Hkv, L, D * P, page, hd]`` is sharded over "tensor" on its KV heads (when
+  they divide, else replicated, as the rules table does for the weights) and over "data"
+  on its pages, so each device holds P pages of its KV heads;
+* page ids in page tables are local to the data shard (0..P-1, page 0 the shard's write
+  sink). The host keeps one allocator per data shard.
+
+The model's matrices run under GSPMD with the weights in the rollout sharding; only the
+paged KV write and the attention, whose page ids are shard-local, run per device inside
+`shard_map` -- the same per-device call a Pallas kernel needs. A one-device layout is the
+same program over a 1x1 mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.sharding import AXES
+
+
+def single_device_mesh(device: Optional[jax.Device] = None) -> Mesh:
+  device = device or jax.devices()[0]
+  return Mesh(np.asarray([device], dtype=object).reshape((1,) * len(AXES)), AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+  """The rollout mesh and how the engine's arrays are split over it (hashable: static).
+
+  Attributes:
+    mesh: the rollout mesh (axes jaxrl_post.sharding.AXES).
+    kv_axis: "tensor" when the KV heads are split over it, else None (replicated).
+  """
+
+  mesh: Mesh
+  kv_axis: Optional[str]
+
+  @classmethod
+  def build(cls, cfg: ModelConfig, mesh: Optional[Mesh] = None) -> "RolloutLayout":
+    mesh = mesh if mesh is not None else single_device_mesh()
+    tensor = mesh.shape["tensor"]
+    split = tensor > 1 and cfg.num_kv_heads % tensor == 0
+    return cls(mesh, "tensor" if split else None)
+
+  @property
+  def data_shards(self) -> int:
+    return self.mesh.shape["data"]
+
+  @property
+  def multi_process(self) -> bool:
+    return len({d.process_index for d in self.mesh.devices.flat}) > 1
+
+  # ---------------------------------------------------------------- specs
+
+  @property
+  def pool_spec(self) -> P:  # [Hkv, L, pages, page, hd]
+    return P(self.kv_axis, None, "data", None, None)
+
+  def rows_spec(self, ndim: int) -> P:  # [B, ...]: slots, prefill rows or blocks
+    return P("data", *([None] * (ndim - 1)))
+
+  def heads_spec(self, ndim: int) -> P:  # [B, (T,) H, hd]: queries, keys, values, outputs
+    return P("data", *([None] * (ndim - 3)), self.kv_axis, None)
+
+  def sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  def rows(self, ndim: int) -> NamedSharding:
+    return self.sharding(self.rows_spec(ndim))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return self.sharding(P())
+
+  # ---------------------------------------------------------------- placement
+
+  def put_rows(self, tree):
+    """Host arrays with a leading slot/row axis -> global arrays sharded over "data".
+
+    Every process passes the same full host arrays (the schedulers run in lockstep), so
+    each process places just the shards of its own devices.
+    """
+    return jax.tree.map(lambda x: _put(np.asarray(x), self.rows(np.ndim(x))), tree)
+
+  def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
+    """fn run per device on its shards (page ids in the tables are shard-local)."""
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def check_slots(self, num_slots: int, block: int) -> None:
+    if num_slots % (self.data_shards * block):
+      raise UserError(f"engine config: num_slots={num_slots} is not a multiple of "
+                      f"{self.data_shards} data shards x {block} slots per block")
+
+
+def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  # make_array_from_callback works across processes: each places its addressable shards.
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def shard_count(num_slots: int, data_shards: int, block: int) -> int:
+  """num_slots rounded up so every data shard holds the same whole blocks of slots."""
+  unit = data_shards * max(block, 1)
+  return -(-num_slots // unit) * unit
