@@ -4,6 +4,14 @@
   --gin_param=BINDING   one binding, e.g. --gin_param='Experiment.steps = 50' (repeatable)
   --workdir=DIR         checkpoints, metrics.jsonl, TensorBoard events, the resolved config
 
+Multi-host (one process per host, every process runs the same command):
+  --coordinator_address=HOST:PORT --num_processes=N --process_id=I
+                        start jax.distributed explicitly (or set JAXRL_COORDINATOR,
+                        JAXRL_NUM_PROCESSES, JAXRL_PROCESS_ID)
+  --distributed=auto    let jax detect the cluster (TPU pods, SLURM, Open MPI, GKE)
+Only process 0 writes metrics, TensorBoard events and the config files; checkpoints are
+written by every process together (Orbax), so the workdir must be on a shared filesystem.
+
 Every binding is parsed and the whole config built and validated before any work starts;
 a mistake is one `error: ...` line and exit status 2. A workdir holding a checkpoint is
 resumed automatically: rerunning a killed command continues where it stopped.
@@ -28,7 +36,25 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
   p.add_argument("--workdir", default=None,
                  help="run directory (default: runs/<first gin file's name>)")
+  p.add_argument("--distributed", choices=("off", "auto"), default="off",
+                 help="auto: jax.distributed detects the cluster")
+  p.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0")
+  p.add_argument("--num_processes", type=int, default=None)
+  p.add_argument("--process_id", type=int, default=None)
   return p
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+  """jax.distributed from flags, else JAXRL_* environment variables; before any device use."""
+  from jaxrl_post.sharding import DistributedConfig, distributed_config_from_env, initialize
+
+  env = distributed_config_from_env()
+  cfg = DistributedConfig(
+      coordinator_address=args.coordinator_address or env.coordinator_address,
+      num_processes=args.num_processes if args.num_processes is not None else env.num_processes,
+      process_id=args.process_id if args.process_id is not None else env.process_id,
+      auto=args.distributed == "auto")
+  initialize(cfg)
 
 
 def _jsonable(value: Any) -> Any:
@@ -61,6 +87,7 @@ def prepare(argv: Sequence[str]):
   from jaxrl_post.pipeline import config
 
   args = _parser().parse_args(argv)
+  start_distributed(args)
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   for path in args.gin_file:
@@ -70,7 +97,10 @@ def prepare(argv: Sequence[str]):
   exp = config.build_experiment()
   workdir = args.workdir or os.path.join(
       "runs", os.path.splitext(os.path.basename(args.gin_file[0]))[0])
-  write_resolved_config(workdir, exp, gin.config_str())
+  import jax
+
+  if jax.process_index() == 0:
+    write_resolved_config(workdir, exp, gin.config_str())
   return exp, workdir
 
 
@@ -79,7 +109,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exp, workdir = prepare(sys.argv[1:] if argv is None else argv)
     from jaxrl_post.pipeline.loop import run
 
-    run(exp, workdir, log=lambda m: print(m, flush=True))
+    import jax
+
+    quiet = jax.process_index() != 0  # One process speaks for the run.
+    run(exp, workdir, log=(lambda m: None) if quiet else (lambda m: print(m, flush=True)))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -36,7 +36,7 @@ from jaxrl_post.rl.advantages import compute_advantages
 from jaxrl_post.rl.trainer import (Trainer, prepare_step_batches, run_step_batches)
 from jaxrl_post.rollout import Engine, SamplingParams
 from jaxrl_post.sharding import WeightSync, build_meshes
-from jaxrl_post.telemetry import MetricsWriter, ProgressBar, StepTimer
+from jaxrl_post.telemetry import DiscardMetrics, MetricsWriter, ProgressBar, StepTimer
 from jaxrl_post.telemetry.progress import format_duration
 
 
@@ -58,7 +58,6 @@ class RLRun:
     self.task = exp.task
     self.eval_problems = _eval_problems(self.task, exp.eval.num_problems)
     self.meshes = build_meshes(exp.placement)
-    self._check_rollout_devices()
     self.trainer = Trainer(self.model_cfg, exp.trainer, mesh=self.meshes.trainer)
     self.prompts = PromptStream(self.task.split("train"), self.tokenizer, exp.prompts,
                                 seed=exp.seed)
@@ -67,14 +66,6 @@ class RLRun:
                                    self.tokenizer.stop_ids)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
     self._initial_params = params
-
-  def _check_rollout_devices(self) -> None:
-    devices = list(self.meshes.rollout.devices.flat)
-    if len(devices) != 1:
-      raise UserError(f"placement: the rollout engine decodes on one device, the rollout mesh "
-                      f"has {len(devices)}; use PlacementConfig.mode = 'split' with "
-                      "rollout_mesh/MeshConfig sizes 1, or run on one device")
-    self.rollout_device = devices[0]
 
   # ------------------------------------------------------------------ start
 
@@ -125,9 +116,8 @@ class RLRun:
     if engine_cfg.max_seq_len is None:
       need = self.exp.prompts.max_prompt_tokens + self.exp.rollout.max_new_tokens
       engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=need)
-    with jax.default_device(self.rollout_device):
-      self.engine = Engine(self.model_cfg, self.rollout.params, engine_cfg,
-                           version=self.rollout.version)
+    self.engine = Engine(self.model_cfg, self.rollout.params, engine_cfg,
+                         version=self.rollout.version, mesh=self.meshes.rollout)
 
   # ------------------------------------------------------------------ one step
 
@@ -208,7 +198,9 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
   started = time.time()
   run_ = RLRun(exp, workdir, log)
   progress = run_.start()
-  writer = MetricsWriter(workdir, tensorboard=exp.logging.tensorboard)
+  first = jax.process_index() == 0  # Process 0 writes the run's files for every process.
+  writer = (MetricsWriter(workdir, tensorboard=exp.logging.tensorboard) if first
+            else DiscardMetrics())
   fresh = not progress.eval_history  # No checkpoint: lines of a killed attempt are stale.
   writer.truncate_after(-1 if fresh else progress.step)
   try:
@@ -226,7 +218,8 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
 
 def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter) -> None:
   exp = run_.exp
-  bar = ProgressBar(exp.steps, progress.step) if exp.logging.progress else None
+  show = exp.logging.progress and jax.process_index() == 0
+  bar = ProgressBar(exp.steps, progress.step) if show else None
   timer = StepTimer()
   for step in range(progress.step + 1, exp.steps + 1):
     timer.start()

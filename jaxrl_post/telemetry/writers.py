@@ -170,6 +170,20 @@ class MetricsWriter:
       self._events = None
 
 
+class DiscardMetrics:
+  """The writer of every process but the first in a multi-host run: the same calls, no files
+  (process 0 writes the run's metrics and TensorBoard events for everyone)."""
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    del step, metrics
+
+  def truncate_after(self, step: int) -> None:
+    del step
+
+  def close(self) -> None:
+    pass
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
   """Reads a metrics.jsonl file written by `MetricsWriter`.
 

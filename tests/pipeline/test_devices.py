@@ -1,0 +1,87 @@
+"""The training command on any device count, and across processes through jax.distributed.
+
+Default placement (colocated: FSDP training mesh, data-parallel rollout mesh over every
+device) must run unchanged on 1, 2 and 8 devices; 2 processes x 4 devices must write the
+metrics 1 process x 8 devices writes, with only process 0 writing the run's files.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_post.telemetry import read_metrics
+from tests.pipeline.test_train import QUICKSTART, ROOT, _deterministic
+from tests.sharding.test_multiprocess import free_port
+
+# The quickstart at its smallest: a few RL steps, tiny warm-up and evaluation.
+SMALL = ["Experiment.steps = 2", "SftConfig.steps = 4", "EvalSpec.num_problems = 8",
+         "EvalSpec.every_n_steps = 0", "RolloutSpec.prompts_per_step = 4",
+         "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
+         "EngineConfig.group_slots = 4", "OptimizerConfig.total_steps = 10",
+         "LogSpec.progress = False"]
+
+
+def _cmd(workdir, extra=()):
+  return ([sys.executable, "-m", "jaxrl_post.train", f"--gin_file={QUICKSTART}",
+           f"--workdir={workdir}"] + [f"--gin_param={p}" for p in SMALL] + list(extra))
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env
+
+
+def _run(workdir, devices: int) -> list[dict]:
+  done = subprocess.run(_cmd(workdir), env=_env(devices), capture_output=True, text=True,
+                        timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "held-out accuracy:" in done.stdout
+  return read_metrics(str(workdir / "metrics.jsonl"))
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+  """Same steps and keys; numbers equal up to float32 reduction order."""
+  got, want = _deterministic(got), _deterministic(want)
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys()
+    for key in w:
+      if isinstance(w[key], float):
+        assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), (g["step"], key)
+      else:
+        assert g[key] == w[key], (g["step"], key)
+
+
+@pytest.mark.slow
+def test_default_placement_runs_on_1_2_and_8_devices(tmp_path):
+  runs = {n: _run(tmp_path / f"d{n}", n) for n in (1, 2, 8)}
+  for n, records in runs.items():
+    assert [r["step"] for r in records] == [0, 1, 2], n
+    assert records[-1]["weight_version"] == 2
+  _close(runs[2], runs[1])
+  _close(runs[8], runs[1])
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_metrics_of_one_process(tmp_path):
+  port = free_port()
+  workdir = tmp_path / "multi"
+  procs = [subprocess.Popen(_cmd(workdir, [f"--coordinator_address=127.0.0.1:{port}",
+                                           "--num_processes=2", f"--process_id={i}"]),
+                            env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=900))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail("two-process run timed out")
+    assert p.returncode == 0, outs[-1][1][-3000:]
+  assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "2"]
+  _close(read_metrics(str(workdir / "metrics.jsonl")), _run(tmp_path / "single", 8))
