@@ -114,6 +114,22 @@ class LogSpec:
   progress: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceSpec:
+  """The frozen reference policy (KL penalty and metrics).
+
+  Attributes:
+    dtype: "float32" keeps the initial weights exactly; "bfloat16" halves their memory
+      (2 bytes per parameter), which the forward computes in anyway with a bf16 model.
+  """
+
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise UserError(f"reference spec: dtype={self.dtype!r} is not 'float32' or 'bfloat16'")
+
+
 def _grpo() -> AdvantageConfig:
   """GRPO; its group_size is replaced by RolloutSpec.group_size in `validate`."""
   return AdvantageConfig("grpo", group_size=2)
@@ -131,6 +147,7 @@ class Experiment:
   rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
   advantage: AdvantageConfig = dataclasses.field(default_factory=_grpo)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  reference: ReferenceSpec = dataclasses.field(default_factory=ReferenceSpec)
   sft: SftConfig = dataclasses.field(default_factory=SftConfig)
   placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
   sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
@@ -186,7 +203,7 @@ def _register(cls: type) -> None:
   CONFIGURABLES[cls.__name__] = gin.external_configurable(make, name=cls.__name__)
 
 
-for _cls in (ModelSpec, RolloutSpec, EvalSpec, LogSpec, Experiment, ArithmeticTask,
+for _cls in (ModelSpec, RolloutSpec, EvalSpec, LogSpec, ReferenceSpec, Experiment, ArithmeticTask,
              CountdownTask, JsonlTask, PromptConfig, AdvantageConfig, LossConfig,
              OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,

@@ -28,6 +28,7 @@ from jaxrl_post.data.prompts import PromptStream
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.transformer import abstract_model, logical_axes
 from jaxrl_post.pipeline import rollouts
+from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.pipeline.config import Experiment
 from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
@@ -78,6 +79,7 @@ class RLRun:
       self.state, self.ref = self.trainer.init_state(params), self._reference(params)
     else:
       progress = self._restore(latest)
+    self._initial_params = None  # From here the train state and the reference hold weights.
     self._build_rollout(meta_version=progress.counters.get("weight_version", 0))
     return progress
 
@@ -103,8 +105,12 @@ class RLRun:
     return Progress(meta["step"], meta["eval_history"], meta["counters"])
 
   def _reference(self, params):
-    """Frozen reference weights on the training mesh (None with LoRA: the base is it)."""
-    return None if self.trainer.lora else self.trainer.place(jax.tree.map(jnp.array, params))
+    """Frozen reference weights on the training mesh, in ReferenceSpec.dtype (None with
+    LoRA: the base is it). A copy: the train state's steps donate their own buffers."""
+    if self.trainer.lora:
+      return None
+    dtype = jnp.dtype(self.exp.reference.dtype)
+    return self.trainer.place(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
 
   def _build_rollout(self, meta_version: int) -> None:
     model = abstract_model(self.model_cfg)
@@ -207,7 +213,8 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
     if fresh:
       _record_eval(run_, progress, writer, extra=progress.counters)
       run_.save(progress)
-    _loop(run_, progress, writer)
+    with CompileCounter() as compiles:
+      _loop(run_, progress, writer, compiles)
   finally:
     writer.close()
     run_.close()
@@ -216,11 +223,13 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
   return summary
 
 
-def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter) -> None:
+def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter,
+          compiles: CompileCounter) -> None:
   exp = run_.exp
   show = exp.logging.progress and jax.process_index() == 0
   bar = ProgressBar(exp.steps, progress.step) if show else None
   timer = StepTimer()
+  seen = compiles.total
   for step in range(progress.step + 1, exp.steps + 1):
     timer.start()
     metrics = run_.step(step, timer)
@@ -229,6 +238,8 @@ def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter) -> None:
     if step == exp.steps or (exp.eval.every_n_steps and step % exp.eval.every_n_steps == 0):
       metrics.update(_evaluate(run_, progress))
     metrics.update(_counters(run_))
+    before, seen = seen, compiles.total
+    metrics.update({"compile/programs": seen, "compile/new_programs": seen - before})
     writer.write(step, metrics)
     if bar:
       bar.update(step, metrics["reward/mean"], metrics["rollout/tokens_per_s"])

@@ -34,9 +34,9 @@ def _env(devices: int) -> dict:
   return env
 
 
-def _run(workdir, devices: int) -> list[dict]:
-  done = subprocess.run(_cmd(workdir), env=_env(devices), capture_output=True, text=True,
-                        timeout=900)
+def _run(workdir, devices: int, extra=()) -> list[dict]:
+  done = subprocess.run(_cmd(workdir, extra), env=_env(devices), capture_output=True,
+                        text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "held-out accuracy:" in done.stdout
   return read_metrics(str(workdir / "metrics.jsonl"))
@@ -63,6 +63,18 @@ def test_default_placement_runs_on_1_2_and_8_devices(tmp_path):
     assert records[-1]["weight_version"] == 2
   _close(runs[2], runs[1])
   _close(runs[8], runs[1])
+
+
+@pytest.mark.slow
+def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path):
+  """4 devices train (FSDP), 4 roll out (data 2 x tensor 2); sync reshards between them."""
+  split = ["--gin_param=PlacementConfig.mode = 'split'",
+           "--gin_param=PlacementConfig.trainer_devices = 4",
+           "--gin_param=rollout_mesh/MeshConfig.data = 2",
+           "--gin_param=rollout_mesh/MeshConfig.tensor = 2"]
+  records = _run(tmp_path / "split", 8, split)
+  assert records[-1]["weight_version"] == 2
+  _close(records, _run(tmp_path / "one", 1))
 
 
 @pytest.mark.slow
