@@ -1,0 +1,518 @@
+"""Memory planning at real sizes, without weights.
+
+Whether a 1B-8B model trains on a given device count, and how many KV pages the rollout
+may take beside it, is decided by the compiled programs, not by arithmetic on parameter
+counts: XLA's buffer assignment knows the activations, the gradient accumulators and what
+donation recycles. So every figure here comes from compiling on abstract arrays
+(`jax.ShapeDtypeStruct` with shardings): `jax.jit(f).lower(*abstract).compile()` then
+`memory_analysis()` and `cost_analysis()`. Nothing is allocated, so an 8B model plans on a
+laptop CPU with fake devices in the time one compile takes.
+
+All byte figures are per device. This module sits above the roles (it builds a trainer
+and reads the rollout pool's layout); only entry points, the pipeline and scripts import
+it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import inspect
+import math
+import os
+import re
+import tempfile
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import ModelConfig, abstract_model
+from jaxrl_post.models.transformer import logical_axes, params_of
+from jaxrl_post.rl.forward import PackedInputs
+from jaxrl_post.rl.trainer import StepBatch, Trainer, TrainerConfig, TrainState
+from jaxrl_post.rollout.pages import page_bytes
+from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
+                                 logical_to_spec, make_mesh, tree_shardings)
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """Per-device figures of one compiled program.
+
+  Attributes:
+    argument_bytes: inputs (parameters, optimizer state, the batch).
+    output_bytes: outputs (the new state, metrics).
+    temp_bytes: XLA temporaries: activations kept for the backward, gradient
+      accumulators, the optimizer update's intermediates.
+    generated_code_bytes: the compiled code itself.
+    alias_bytes: outputs written into donated inputs; counted in both argument and output.
+    flops: floating-point operations per device, from XLA's cost model, which counts a
+      loop body once: scanned layers and micro-batches are undercounted, so compare
+      programs of one structure (the same step on 1 and 8 devices), not absolute FLOPs.
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  generated_code_bytes: int
+  alias_bytes: int
+  flops: float
+
+  @property
+  def peak_bytes(self) -> int:
+    """argument + output + temp - alias: what the program holds at once.
+
+    Arguments and outputs are live together at the end of the step; the donated part of
+    the state is one buffer seen from both sides, so it is subtracted once. The code
+    size is left out (it is not device memory on GPU/TPU).
+    """
+    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+  """One buffer of XLA's assignment: its size and the values that share it over time.
+
+  Attributes:
+    bytes: the allocation's size (as XLA's report rounds it).
+    values: the shapes of the values placed in it, e.g. "5xf32[32,4096,1792], bf16[8]".
+  """
+
+  bytes: int
+  values: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepMemory:
+  """The compiled train step plus the state's share of its arguments, per device.
+
+  Attributes:
+    compiled: the step's memory analysis and FLOPs.
+    params_bytes: trainable parameters (f32 masters).
+    frozen_bytes: frozen parameters (the LoRA base), else 0.
+    opt_state_bytes: optimizer state (Adam's moments mirror the trainable parameters).
+    batch_bytes: one step's StepBatch.
+    largest: the largest allocations of the step (empty unless asked for): what to
+      shrink when the peak is too high.
+  """
+
+  compiled: CompiledMemory
+  params_bytes: int
+  frozen_bytes: int
+  opt_state_bytes: int
+  batch_bytes: int
+  largest: tuple[Allocation, ...] = ()
+
+  @property
+  def peak_bytes(self) -> int:
+    return self.compiled.peak_bytes
+
+  @property
+  def gradient_bytes(self) -> int:
+    """The gradient accumulator: one f32 copy of the trainable parameters (inside temp)."""
+    return self.params_bytes
+
+  @property
+  def activation_bytes(self) -> int:
+    """temp minus the gradient accumulator: activations and update intermediates (an
+    estimate: XLA reports temporaries as one figure)."""
+    return max(self.compiled.temp_bytes - self.gradient_bytes, 0)
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def single_device_mesh(device: Optional[jax.Device] = None) -> Mesh:
+  """A 1-device mesh, so one code path places abstract arrays with or without sharding."""
+  return make_mesh(MeshConfig(fsdp=1), [device or jax.devices()[0]])
+
+
+def device_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def _abstract(tree, shardings, dtype=None):
+  """ShapeDtypeStructs of `tree`'s leaves carrying `shardings` (and `dtype` if given)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _spec(names, shape, mesh: Mesh, rules) -> NamedSharding:
+  """The sharding `rules` give an activation-like array; "" marks an unnamed dim."""
+  return NamedSharding(mesh, logical_to_spec(names, shape, rules, mesh))
+
+
+def compiled_memory(compiled) -> CompiledMemory:
+  """CompiledMemory of a `jax.stages.Compiled`."""
+  m = compiled.memory_analysis()
+  return CompiledMemory(argument_bytes=int(m.argument_size_in_bytes),
+                        output_bytes=int(m.output_size_in_bytes),
+                        temp_bytes=int(m.temp_size_in_bytes),
+                        generated_code_bytes=int(m.generated_code_size_in_bytes),
+                        alias_bytes=int(m.alias_size_in_bytes),
+                        flops=_flops(compiled))
+
+
+def _flops(compiled) -> float:
+  """FLOPs per device; cost_analysis() is a dict or a list of dicts by jax version."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    return float(sum(c.get("flops", 0.0) for c in cost if c))
+  return float((cost or {}).get("flops", 0.0))
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_REPORT_ROW = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*\d+;\s*\d+;\s*(.*)$")
+
+
+def _largest_allocations(dump_dir: str, top: int) -> tuple[Allocation, ...]:
+  """The `top` largest allocations of the default memory space, from the memory-usage
+  report XLA writes beside a dumped module (the first table; later ones are sub-buffers)."""
+  reports = sorted(glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt")))
+  if not reports:
+    return ()
+  rows = []
+  with open(reports[0]) as f:
+    for line in f:
+      if rows and not line.strip():
+        break
+      match = _REPORT_ROW.match(line)
+      if match:
+        size, unit, values = match.groups()
+        rows.append(Allocation(int(float(size) * _UNITS.get(unit, 1)),
+                               values.strip().replace("\u00d7", "x")))
+  return tuple(sorted(rows, key=lambda a: -a.bytes)[:top])
+
+
+def compile_with_allocations(lowered, top: int = 0):
+  """(compiled, its `top` largest allocations): XLA dumps the module into a scratch
+  directory for this one compile, so the report costs nothing when top is 0."""
+  if top <= 0:
+    return lowered.compile(), ()
+  with tempfile.TemporaryDirectory() as scratch:
+    compiled = lowered.compile(compiler_options={"xla_dump_to": scratch})
+    return compiled, _largest_allocations(scratch, top)
+
+
+# ------------------------------------------------------------------------ train step
+
+
+def _like_params(tree, params: dict, mesh: Mesh):
+  """Shardings for an optimizer state: a leaf whose path ends with a parameter's path
+  takes that parameter's sharding (Adam's mu and nu); anything else is replicated.
+
+  Mirrors the trainer's rule on abstract values, so the planned layout is the real one.
+  """
+  by_path = {tuple(k.key for k in p): x.sharding
+             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+    for n in range(len(keys)):
+      if by_path.get(keys[n:]) is not None:
+        return by_path[keys[n:]]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def abstract_train_state(trainer: Trainer, mesh: Mesh) -> TrainState:
+  """The TrainState `trainer.init_state` would build, as sharded ShapeDtypeStructs."""
+  model = trainer.model
+  shardings = trainer.param_shardings or tree_shardings(
+      logical_axes(model), params_of(model), TRAINING_RULES, mesh)
+  full = _abstract(params_of(model), shardings)
+  trainable, frozen = trainer.split(full)
+  opt = jax.eval_shape(trainer.optimizer.init, trainable)
+  opt = _abstract(opt, _like_params(opt, trainable, mesh))
+  scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return TrainState(step=scalar, params=trainable, frozen=frozen, opt_state=opt,
+                    skipped=scalar)
+
+
+def abstract_step_batch(mesh: Mesh, micro_batches: int, rows: int, row_tokens: int,
+                        sequences: int, completion_len: int,
+                        rules=TRAINING_RULES) -> StepBatch:
+  """A StepBatch of [M, R, S] packed rows and [M, B, T] completions, rows and sequences
+  sharded over the rules' "batch" axes (data parallelism is a sharding). R and B should
+  be multiples of those axes' size, as the trainer packs them; otherwise the rules fall
+  back to fewer axes and the plan shows the imbalance."""
+  m = micro_batches
+  rows_shape, comp_shape = (m, rows, row_tokens), (m, sequences, completion_len)
+  names = ("", "batch", "")
+  row = lambda dtype: jax.ShapeDtypeStruct(rows_shape, dtype,
+                                           sharding=_spec(names, rows_shape, mesh, rules))
+  comp = lambda dtype: jax.ShapeDtypeStruct(comp_shape, dtype,
+                                            sharding=_spec(names, comp_shape, mesh, rules))
+  inputs = PackedInputs(tokens=row(jnp.int32), positions=row(jnp.int32),
+                        segment_ids=row(jnp.int32), targets=row(jnp.int32),
+                        completion_index=comp(jnp.int32), completion_mask=comp(jnp.float32))
+  f32 = comp(jnp.float32)
+  return StepBatch(inputs=inputs, old_logprobs=f32, behaviour_logprobs=f32, ref_logprobs=f32,
+                   advantages=f32, old_values=f32, returns=f32)
+
+
+def _state_shardings(state: TrainState):
+  return jax.tree.map(lambda x: x.sharding, state)
+
+
+def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch):
+  """The trainer's step, jitted as `Trainer.init_state` jits it, lowered on abstract
+  inputs. Kept alone so a change to how the trainer builds its step changes one place.
+
+  It traces under the trainer's activation rules (the model's logical constraints keep
+  each device on its own rows) and passes a normaliser only to a step that takes one.
+  """
+  rules = getattr(trainer, "rules", TRAINING_RULES)
+
+  @functools.wraps(trainer._train_step)
+  def traced(*args, **kwargs):
+    with activation_rules(rules, trainer.mesh):
+      return trainer._train_step(*args, **kwargs)
+
+  step = jax.jit(traced, donate_argnums=0, static_argnames=("on_policy",),
+                 out_shardings=(_state_shardings(state), None))
+  args = (state, batch)
+  if "normaliser" in inspect.signature(trainer._train_step).parameters:
+    replicated = NamedSharding(trainer.mesh, PartitionSpec())
+    args += (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),)
+  return step.lower(*args, on_policy=False)
+
+
+def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = TrainerConfig(),
+                      mesh: Optional[Mesh] = None, rows: int = 1,
+                      row_tokens: Optional[int] = None, completion_len: int = 512,
+                      micro_batches: int = 1, sequences: Optional[int] = None,
+                      largest: int = 0) -> TrainStepMemory:
+  """Compiles one optimizer step on abstract inputs and reads its per-device memory.
+
+  Args:
+    model_cfg: the model (remat, dtypes and LoRA as configured).
+    trainer_cfg: the trainer (loss, optimizer); its row_tokens is the default row length.
+    mesh: the training mesh; None means one device.
+    rows: packed rows per micro-batch, across the whole mesh.
+    row_tokens: tokens per packed row (default: trainer_cfg.row_tokens).
+    completion_len: T, the padded completion length.
+    micro_batches: M, gradient-accumulation chunks of the step (scanned, so the peak
+      holds one micro-batch's activations).
+    sequences: B, trajectories per micro-batch; default: one per row.
+    largest: also report this many of the step's largest allocations.
+  """
+  mesh = mesh or single_device_mesh()
+  row_tokens = row_tokens or trainer_cfg.row_tokens
+  trainer = Trainer(model_cfg, trainer_cfg, mesh=mesh)
+  state = abstract_train_state(trainer, mesh)
+  batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences or rows,
+                              completion_len, getattr(trainer, "rules", TRAINING_RULES))
+  compiled, allocations = compile_with_allocations(lower_train_step(trainer, state, batch),
+                                                   largest)
+  return TrainStepMemory(compiled=compiled_memory(compiled),
+                         params_bytes=device_bytes(state.params),
+                         frozen_bytes=device_bytes(state.frozen),
+                         opt_state_bytes=device_bytes(state.opt_state),
+                         batch_bytes=device_bytes(batch), largest=allocations)
+
+
+# ------------------------------------------------------------------------ weights
+
+
+def weight_bytes(model_cfg: ModelConfig, mesh: Mesh, dtype, rules=TRAINING_RULES) -> int:
+  """Per-device bytes of one copy of the full weights in `dtype`, laid out by `rules`."""
+  model = abstract_model(model_cfg)
+  shapes = params_of(model)
+  shardings = tree_shardings(logical_axes(model), shapes, rules, mesh)
+  return device_bytes(_abstract(shapes, shardings, jnp.dtype(dtype)))
+
+
+def reference_bytes(model_cfg: ModelConfig, mesh: Mesh, dtype="bfloat16") -> int:
+  """Per-device bytes of the frozen reference policy on the training mesh.
+
+  With LoRA the reference is the base with the adapters off, which the train state
+  already holds, so it costs nothing extra.
+  """
+  if model_cfg.lora is not None:
+    return 0
+  return weight_bytes(model_cfg.replace(lora=None), mesh, dtype, TRAINING_RULES)
+
+
+def rollout_bytes(model_cfg: ModelConfig, mesh: Mesh, dtype="bfloat16") -> int:
+  """Per-device bytes of the rollout engine's weights: tensor-parallel, replicated over
+  "data" (ROLLOUT_RULES), so a rollout mesh without "tensor" holds a whole copy."""
+  return weight_bytes(model_cfg, mesh, dtype, ROLLOUT_RULES)
+
+
+# ------------------------------------------------------------------------ KV pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+  """A KV pool sized from what is left on a device.
+
+  Attributes:
+    pages: pages per data shard (page 0, the write sink, included); every device of a
+      data shard holds these pages for its share of the KV heads.
+    page_bytes: bytes of one page on one device (K and V, all layers, its KV heads).
+    budget_bytes: the bytes the pool was allowed.
+    page_size: tokens per page.
+  """
+
+  pages: int
+  page_bytes: int
+  budget_bytes: int
+  page_size: int
+
+  @property
+  def pool_bytes(self) -> int:
+    return self.pages * self.page_bytes
+
+  @property
+  def tokens(self) -> int:
+    """Tokens the pool holds per data shard (the write sink excluded)."""
+    return (self.pages - 1) * self.page_size
+
+
+def kv_head_shards(model_cfg: ModelConfig, tensor_shards: int) -> int:
+  """How many ways the pool's KV-head axis really splits: the rules keep a head count
+  that the tensor axis does not divide whole (replicated), as they do the weights."""
+  return tensor_shards if model_cfg.num_kv_heads % tensor_shards == 0 else 1
+
+
+def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes: int,
+                  train_peak_bytes: int, tensor_shards: int = 1, fraction: float = 0.9,
+                  other_bytes: int = 0) -> PoolPlan:
+  """The KV pool that fits beside the train step on one device.
+
+  The pool lives for the whole run (colocated roles), so it must coexist with the train
+  step's peak and with every weight copy that is not an argument of that step.
+
+  Args:
+    model_cfg: the model (layers, KV heads, head dim).
+    page_size: tokens per page.
+    kv_dtype: the pool's dtype.
+    device_bytes: the device's capacity.
+    train_peak_bytes: the compiled train step's peak on that device.
+    tensor_shards: the rollout mesh's "tensor" size (KV heads split over it).
+    fraction: share of the remainder given to the pool; the rest is headroom for
+      fragmentation and the runtime.
+    other_bytes: resident bytes outside the train step (reference and rollout weights).
+
+  Raises:
+    UserError: when the remainder holds fewer than 2 pages (page 0 is reserved).
+  """
+  if not 0.0 < fraction <= 1.0:
+    raise UserError(f"kv pool plan: fraction must be in (0, 1], got {fraction}")
+  one_page = page_bytes(model_cfg, page_size, kv_dtype) // kv_head_shards(model_cfg,
+                                                                          tensor_shards)
+  left = device_bytes - train_peak_bytes - other_bytes
+  budget = int(fraction * max(left, 0))
+  pages = budget // one_page
+  if pages < 2:
+    raise UserError(
+        f"kv pool plan: nothing left for the KV pool: the device has {device_bytes / GB:.2f} "
+        f"GB, the train step peaks at {train_peak_bytes / GB:.2f} GB and other weights take "
+        f"{other_bytes / GB:.2f} GB, leaving {left / GB:.2f} GB ({pages} pages of "
+        f"{one_page} bytes); shard wider, use LoRA, remat, or fewer rows per device")
+  return PoolPlan(pages=int(pages), page_bytes=int(one_page), budget_bytes=budget,
+                  page_size=page_size)
+
+
+# ------------------------------------------------------------------------ decode loop
+#
+# Only `_decode_operands` and `_lower_decode` know the engine's `_decode_loop` signature:
+# `(params, pool, state, shared, *, cfg, steps)` on one device, plus `layout=` (a
+# rollout.layout.RolloutLayout) once the engine runs on a mesh. Both are handled, picked by
+# the signature, so a change there touches these two functions and nothing else.
+
+
+def _engine_layout(model_cfg: ModelConfig, mesh: Optional[Mesh]):
+  """The engine's RolloutLayout for `mesh`, or None where the engine has no layouts."""
+  from jaxrl_post.rollout.engine import _decode_loop
+  if "layout" not in inspect.signature(_decode_loop).parameters:
+    return None
+  from jaxrl_post.rollout.layout import RolloutLayout
+  return RolloutLayout.build(model_cfg, mesh)
+
+
+def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
+                     page_size: int, table_pages: int, kv_dtype, weight_dtype,
+                     max_stop_ids: int, mesh: Optional[Mesh], layout):
+  """Abstract (params, pool, slot state) as the engine passes them to `_decode_loop`.
+
+  With a layout the pool is [Hkv, L, D * P, page, hd] sharded over (tensor, -, data) and
+  the slots over "data"; without one everything sits on one device (`mesh` ignored).
+  """
+  from jaxrl_post.rollout.engine import SlotState
+  from jaxrl_post.rollout.pages import KVPool
+
+  model = abstract_model(model_cfg)
+  shapes = params_of(model)
+  wdt = jnp.dtype(weight_dtype)
+  if layout is None:
+    mesh, shards = single_device_mesh(), 1
+    pool_sharding = rows = lambda ndim: NamedSharding(mesh, PartitionSpec())
+  else:
+    mesh, shards = layout.mesh, layout.data_shards
+    pool_sharding = lambda ndim: layout.sharding(layout.pool_spec)
+    rows = layout.rows
+  params = _abstract(shapes, tree_shardings(logical_axes(model), shapes, ROLLOUT_RULES, mesh),
+                     wdt)
+  pool_shape = (model_cfg.num_kv_heads, model_cfg.num_layers, shards * pages_per_shard,
+                page_size, model_cfg.head_dim)
+  kv = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(kv_dtype), sharding=pool_sharding(5))
+  vec = lambda dtype, *tail: jax.ShapeDtypeStruct((num_slots, *tail), dtype,
+                                                  sharding=rows(1 + len(tail)))
+  state = SlotState(tokens=vec(jnp.int32), lengths=vec(jnp.int32),
+                    num_generated=vec(jnp.int32), max_tokens=vec(jnp.int32),
+                    active=vec(jnp.bool_), page_table=vec(jnp.int32, table_pages),
+                    seeds=vec(jnp.uint32), sample_ids=vec(jnp.int32),
+                    temperature=vec(jnp.float32), top_k=vec(jnp.int32),
+                    top_p=vec(jnp.float32), stop_ids=vec(jnp.int32, max_stop_ids))
+  return params, KVPool(kv, kv), state
+
+
+def _lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout):
+  from jaxrl_post.rollout.engine import _decode_loop
+  extra = {} if layout is None else {"layout": layout}
+  return _decode_loop.lower(params, pool, state, None, cfg=model_cfg, steps=steps, **extra)
+
+
+def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
+                       page_size: int = 16, table_pages: int = 16, steps: int = 16,
+                       kv_dtype="bfloat16", weight_dtype="bfloat16", max_stop_ids: int = 8,
+                       mesh: Optional[Mesh] = None) -> CompiledMemory:
+  """Compiles the rollout engine's multi-step decode loop on abstract arrays.
+
+  Plain paged attention (no shared prefix): the cascade path adds only small tables.
+
+  Args:
+    model_cfg: the model.
+    num_slots: sequences decoded together, over the whole rollout mesh.
+    pages_per_shard: KV pages per data shard (the arguments include the whole pool,
+      which the loop donates and returns).
+    page_size: tokens per page.
+    table_pages: width of the page table the call sees (the engine narrows it to a power
+      of two of the pages in use); attention gathers this many pages per slot.
+    steps: decode steps per call.
+    kv_dtype: the pool's dtype.
+    weight_dtype: the rollout weights' dtype.
+    max_stop_ids: stop ids per slot.
+    mesh: the rollout mesh (None: one device). Used only by an engine that takes a layout.
+  """
+  layout = _engine_layout(model_cfg, mesh)
+  params, pool, state = _decode_operands(model_cfg, num_slots, pages_per_shard, page_size,
+                                         table_pages, kv_dtype, weight_dtype, max_stop_ids,
+                                         mesh, layout)
+  return compiled_memory(_lower_decode(model_cfg, params, pool, state, steps,
+                                       layout).compile())

@@ -1,0 +1,125 @@
+"""Memory planning on abstract arrays: compiled figures, FSDP scaling, KV pool sizing."""
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import pytest
+
+from jaxrl_post import plan
+from jaxrl_post.errors import UserError
+from jaxrl_post.models import LoraConfig, preset
+from jaxrl_post.rl.trainer import TrainerConfig
+from jaxrl_post.sharding import MeshConfig, make_mesh
+
+CFG = preset("tiny", remat="full")
+ROW_TOKENS = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def step_memory(devices: int, rows: int) -> plan.TrainStepMemory:
+  mesh = make_mesh(MeshConfig(fsdp=devices), jax.devices()[:devices])
+  return plan.train_step_memory(CFG, TrainerConfig(row_tokens=ROW_TOKENS), mesh, rows=rows,
+                                completion_len=32, largest=4)
+
+
+def test_train_step_figures_are_positive_and_the_peak_grows_with_rows():
+  small, large = step_memory(1, 2), step_memory(1, 8)
+  for m in (small, large):
+    c = m.compiled
+    assert min(c.argument_bytes, c.output_bytes, c.temp_bytes, c.alias_bytes, c.flops) > 0
+    assert c.peak_bytes == c.argument_bytes + c.output_bytes + c.temp_bytes - c.alias_bytes
+    # The state is donated: its bytes are an argument and an output, counted once.
+    assert c.alias_bytes >= m.params_bytes + m.opt_state_bytes
+  assert small.params_bytes == 4 * CFG.num_params  # f32 masters on one device
+  assert small.opt_state_bytes >= 2 * small.params_bytes  # Adam's two moments
+  assert large.peak_bytes > small.peak_bytes
+  assert large.compiled.flops > small.compiled.flops
+
+
+def test_largest_allocations_name_the_buffers_behind_the_peak():
+  m = step_memory(1, 8)
+  sizes = [a.bytes for a in m.largest]
+  assert len(sizes) == 4 and sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
+  assert sum(sizes) <= m.peak_bytes
+  assert all("[" in a.values for a in m.largest)  # shapes such as f32[2,64,192]
+
+
+def test_fsdp_over_8_devices_divides_the_per_device_arguments_by_about_8():
+  one, eight = step_memory(1, 8), step_memory(8, 8)
+  assert one.params_bytes == 8 * eight.params_bytes  # every tiny matrix splits 8 ways
+  ratio = one.compiled.argument_bytes / eight.compiled.argument_bytes
+  assert 7.5 < ratio <= 8.0, ratio  # only the replicated scalars keep it under 8
+  assert one.batch_bytes == 8 * eight.batch_bytes  # rows are split too (data parallel)
+
+
+def test_weight_copies_per_device():
+  one = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+  fsdp = make_mesh(MeshConfig(fsdp=8))
+  assert plan.reference_bytes(CFG, one, "bfloat16") == 2 * CFG.num_params
+  assert plan.reference_bytes(CFG, fsdp, "bfloat16") == 2 * CFG.num_params // 8
+  assert plan.reference_bytes(CFG.replace(lora=LoraConfig()), fsdp) == 0  # the base is it
+  replicated = make_mesh(MeshConfig(data=8, fsdp=1))
+  assert plan.rollout_bytes(CFG, replicated) == 2 * CFG.num_params  # a whole copy each
+  tensor = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
+  assert plan.rollout_bytes(CFG, tensor) < plan.rollout_bytes(CFG, replicated)
+
+
+def test_kv_pool_takes_what_the_train_step_leaves():
+  device, peak, other = 10 << 20, 3 << 20, 1 << 20
+  pool = plan.kv_pool_pages(CFG, 16, "bfloat16", device, peak, fraction=0.5,
+                            other_bytes=other)
+  assert pool.budget_bytes == int(0.5 * (device - peak - other))
+  assert pool.pages * pool.page_bytes <= pool.budget_bytes
+  assert (pool.pages + 1) * pool.page_bytes > pool.budget_bytes  # none left unused
+  # Two KV heads over tensor=2: a device holds half of each page, so twice the pages fit.
+  split = plan.kv_pool_pages(CFG, 16, "bfloat16", device, peak, tensor_shards=2,
+                             fraction=0.5, other_bytes=other)
+  assert split.page_bytes * 2 == pool.page_bytes
+  assert split.pages * split.page_bytes <= split.budget_bytes
+  # Four tensor shards do not divide 2 KV heads: the pool stays replicated over them.
+  assert plan.kv_pool_pages(CFG, 16, "bfloat16", device, peak, tensor_shards=4, fraction=0.5,
+                            other_bytes=other).page_bytes == pool.page_bytes
+
+
+def test_kv_pool_raises_a_user_error_when_nothing_is_left():
+  with pytest.raises(UserError, match="nothing left for the KV pool"):
+    plan.kv_pool_pages(CFG, 16, "bfloat16", 1 << 30, 1 << 30, other_bytes=1 << 20)
+  with pytest.raises(UserError, match="fraction"):
+    plan.kv_pool_pages(CFG, 16, "bfloat16", 1 << 30, 0, fraction=0.0)
+
+
+def test_decode_loop_memory_holds_the_pool():
+  pages = 32
+  m = plan.decode_loop_memory(CFG, num_slots=8, pages_per_shard=pages, page_size=16,
+                              table_pages=4, steps=4)
+  pool = 2 * pages * (16 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 2)
+  assert m.argument_bytes >= pool + 2 * CFG.num_params
+  assert m.alias_bytes >= pool  # the pool is donated and written in place
+  assert m.temp_bytes > 0
+
+
+def _bench_scale():
+  spec = importlib.util.spec_from_file_location("bench_scale",
+                                                os.path.join(ROOT, "scripts", "bench_scale.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.slow
+def test_bench_scale_quick_prints_every_key(capsys):
+  assert _bench_scale().main(["--quick", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  for key in ("memory_gb_1b_1dev", "memory_gb_8b_8dev"):
+    m = out[key]
+    assert m["peak_gb"] > 0 and m["kv_pool_pages_per_data_shard"] >= 2
+    assert m["peak_gb"] <= m["device_gb"]
+  assert 0 < out["train_flops_per_device_ratio_8v1"] < 0.5
+  assert out["rollout_mesh_greedy_equal"] is True
+  assert out["compiled_shapes_20_steps"] > 0
