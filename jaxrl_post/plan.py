@@ -428,6 +428,19 @@ def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes
                   page_size=page_size)
 
 
+def pool_bytes_beside_train_step(free_bytes: int, step: TrainStepMemory,
+                                 fraction: float) -> int:
+  """The KV pool's budget on a device where the train state already lives.
+
+  The state (parameters, optimizer state, frozen base) is resident and counted in
+  `free_bytes` already; what the step adds on top of it while it runs (activations,
+  gradients, outputs not written in place, the batch) must stay free for the whole run.
+  """
+  resident = step.params_bytes + step.frozen_bytes + step.opt_state_bytes
+  transient = max(step.peak_bytes - resident, 0)
+  return int(fraction * max(free_bytes - transient, 0))
+
+
 # ------------------------------------------------------------------------ decode loop
 #
 # Only `_decode_operands` and `_lower_decode` know the engine's `_decode_loop` signature:

@@ -15,6 +15,7 @@ recomputed, not duplicated).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Optional
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post import plan
 from jaxrl_post.checkpoint import Checkpointer, abstract_like
 from jaxrl_post.data.prompts import PromptStream
 from jaxrl_post.errors import UserError
@@ -34,8 +36,10 @@ from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
 from jaxrl_post.rewards import score_batch
 from jaxrl_post.rl.advantages import compute_advantages
+from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import (Trainer, prepare_step_batches, run_step_batches)
-from jaxrl_post.rollout import Engine, SamplingParams
+from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
+from jaxrl_post.rollout.pages import free_device_bytes
 from jaxrl_post.sharding import WeightSync, build_meshes
 from jaxrl_post.telemetry import DiscardMetrics, MetricsWriter, ProgressBar, StepTimer
 from jaxrl_post.telemetry.progress import format_duration
@@ -118,12 +122,43 @@ class RLRun:
     self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
     rollout = self.sync.initial(full)
     self.rollout = dataclasses.replace(rollout, version=meta_version)
-    engine_cfg = self.exp.rollout.engine
-    if engine_cfg.max_seq_len is None:
-      need = self.exp.prompts.max_prompt_tokens + self.exp.rollout.max_new_tokens
-      engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=need)
-    self.engine = Engine(self.model_cfg, self.rollout.params, engine_cfg,
+    self.engine = Engine(self.model_cfg, self.rollout.params, self._engine_config(),
                          version=self.rollout.version, mesh=self.meshes.rollout)
+
+  def _engine_config(self) -> EngineConfig:
+    """The engine's shapes, with the pool sized after the train step where it must be.
+
+    Colocated on a device that reports its memory, a pool sized by memory_fraction takes
+    that share of what is free once the train step's own peak (compiled on abstract
+    inputs: activations, gradients, outputs) is set aside, so training never runs short
+    beside a pool that lives for the whole run.
+    """
+    exp, cfg = self.exp, self.exp.rollout.engine
+    longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+    if cfg.max_seq_len is None:
+      cfg = dataclasses.replace(cfg, max_seq_len=longest)
+    pool = cfg.pool
+    free = free_device_bytes(self.meshes.rollout.devices.flat[0])
+    if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
+        or not self.meshes.colocated):
+      return cfg
+    step = plan.train_step_memory(self.model_cfg, exp.trainer, self.meshes.trainer,
+                                  rows=self._rows_bound(longest),
+                                  completion_len=completion_bucket(exp.rollout.max_new_tokens),
+                                  micro_batches=exp.trainer.micro_batches)
+    budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
+    self.log(f"kv pool: {budget / 1e9:.2f} GB per device beside a train step peaking at "
+             f"{step.peak_bytes / 1e9:.2f} GB")
+    return dataclasses.replace(cfg, pool=dataclasses.replace(pool, memory_bytes=budget))
+
+  def _rows_bound(self, longest: int) -> int:
+    """Packed rows of one micro-batch at worst: first-fit needs under twice the rows the
+    tokens fill, and never more than one per trajectory; bucketed like the trainer's."""
+    exp = self.exp
+    per_micro = (exp.rollout.prompts_per_step * exp.rollout.group_size //
+                 (exp.trainer.minibatches * exp.trainer.micro_batches))
+    filled = math.ceil(per_micro * longest / exp.trainer.row_tokens)
+    return bucket(min(per_micro, 2 * filled), self.trainer.batch_shards)
 
   # ------------------------------------------------------------------ one step
 

@@ -66,7 +66,7 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
   return per_token * page_size
 
 
-def _free_device_bytes(device) -> int | None:
+def free_device_bytes(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if not stats or "bytes_limit" not in stats:
     return None
@@ -83,7 +83,7 @@ def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None,
     return pool.num_pages
   budget = pool.memory_bytes
   if budget is None:
-    free = _free_device_bytes(device or jax.devices()[0])
+    free = free_device_bytes(device or jax.devices()[0])
     budget = pool.fallback_bytes if free is None else int(pool.memory_fraction * free)
   n = budget * kv_shards // page_bytes(cfg, pool.page_size, dtype)
   if n < 2:
