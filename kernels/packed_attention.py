@@ -18,8 +18,18 @@ Backend choice (documented because it is the interesting decision):
 * TPU: splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``), the Pallas
   TPU kernel maintained with JAX. It already has segment ids, a causal block-sparse mask,
   GQA and Pallas backward kernels tuned for the MXU; rewriting it would only lose speed.
-* CPU: the GPU kernels in the Pallas interpreter (what the tests exercise); the TPU path
-  also runs in interpret mode when asked for explicitly.
+* CPU: ``backend="blocked"``, a pure-jnp FlashAttention: a map over query tiles, a scan
+  over the key tiles the causal (and sliding-window) structure allows, online softmax, and
+  a custom VJP that recomputes each tile's probabilities from the saved log-sum-exp. It
+  never holds more than one [block, block] tile of float32 scores per row and head, which
+  is what lets a long packed row train on a CPU; tiles are skipped only by position (a
+  data-dependent skip would need a cross-device predicate once the rows are sharded). The
+  model uses it on CPU. The GPU kernels also run in the Pallas interpreter (what their
+  tests exercise, and the default here on CPU), and the TPU path in interpret mode when
+  asked for explicitly.
+
+A sliding window (``sliding_window``: query t sees keys t - window < s <= t) restricts
+every backend the same way and narrows the tiles each one visits.
 
 Shapes stay in the model's layout, [B, T, H, D]: the Triton kernels address a head through
 a squeezed block dimension (a stride), so no transposes are needed on GPU.
@@ -38,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-BACKENDS = ("triton", "splash")
+BACKENDS = ("triton", "splash", "blocked")
 _NO_SEGMENT = np.iinfo(np.int32).max
 
 
@@ -61,18 +71,35 @@ def _overlaps(range_a, range_b):
   return (range_a[0] <= range_b[1]) & (range_b[0] <= range_a[1])
 
 
-def _mask(seg_q, seg_k, q_start, k_start):  # [bq], [bk] -> [bq, bk] bool
+def _mask(seg_q, seg_k, q_start, k_start, window):  # [bq], [bk] -> [bq, bk] bool
   q_pos = q_start + jnp.arange(seg_q.shape[0], dtype=jnp.int32)
   k_pos = k_start + jnp.arange(seg_k.shape[0], dtype=jnp.int32)
   same = (seg_q[:, None] == seg_k[None, :]) & (seg_k != 0)[None, :]
-  return same & (q_pos[:, None] >= k_pos[None, :])
+  keep = same & (q_pos[:, None] >= k_pos[None, :])
+  if window is not None:
+    keep &= (q_pos[:, None] - k_pos[None, :]) < window
+  return keep
+
+
+def _first_key_block(q_start, block_kv, window):
+  """The earliest key block a query block starting at q_start can see."""
+  if window is None:
+    return 0
+  return jnp.maximum(q_start - window + 1, 0) // block_kv
+
+
+def _query_blocks_end(k_start, block_kv, block_q, num_q, window):
+  """One past the last query block that sees a key block starting at k_start."""
+  if window is None:
+    return num_q
+  return jnp.minimum((k_start + block_kv - 1 + window - 1) // block_q + 1, num_q)
 
 
 # ----------------------------------------------------------------------------- forward
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_scale,
-                block_kv):
+                block_kv, window):
   """One (row, q head, query block): q_ref [bq, D]; k_ref/v_ref [T, D]; segk_ref [T]."""
   block_q, d = q_ref.shape
   q_start = pl.program_id(2) * block_q
@@ -85,7 +112,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_s
     seg_k = segk_ref[pl.ds(k_start, block_kv)]
     k = k_ref[pl.ds(k_start, block_kv), :]
     v = v_ref[pl.ds(k_start, block_kv), :]
-    mask = _mask(seg_q, seg_k, q_start, k_start)
+    mask = _mask(seg_q, seg_k, q_start, k_start, window)
     s = jnp.where(mask, _dot(q, k, ((1,), (1,))) * sm_scale, MASK_VALUE)  # [bq, bk]
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)
@@ -102,14 +129,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_s
   init = (jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32),
           jnp.zeros((block_q, d), jnp.float32))
   num_kv = pl.cdiv(q_start + block_q, block_kv)  # causal: key blocks up to the diagonal
-  m, l, acc = jax.lax.fori_loop(0, num_kv, body, init)
+  first = _first_key_block(q_start, block_kv, window)  # window: none far behind it
+  m, l, acc = jax.lax.fori_loop(first, num_kv, body, init)
   nonempty = l > 0
   l_safe = jnp.where(nonempty, l, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
 
 
-def _fwd_call(q, k, v, seg, sm_scale, cfg, interpret):
+def _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret):
   """q [B, T, Hq, D], k/v [B, T, Hkv, D], seg [B, T] -> o like q, lse [B, Hq, T] f32."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
@@ -117,7 +145,7 @@ def _fwd_call(q, k, v, seg, sm_scale, cfg, interpret):
   kv_spec = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // (hq // hkv), 0))
   q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, sm_scale=sm_scale, block_kv=bk),
+      functools.partial(_fwd_kernel, sm_scale=sm_scale, block_kv=bk, window=window),
       grid=(b, hq, t // bq),
       in_specs=[q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
@@ -135,13 +163,14 @@ def _fwd_call(q, k, v, seg, sm_scale, cfg, interpret):
 # ----------------------------------------------------------------------------- backward
 
 
-def _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale):  # -> p [bq, bk] f32
+def _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale, window):  # -> p [bq, bk] f32
   s = _dot(q, k, ((1,), (1,))) * sm_scale
-  return jnp.where(_mask(seg_q, seg_k, q_start, k_start), jnp.exp(s - lse[:, None]), 0.0)
+  mask = _mask(seg_q, seg_k, q_start, k_start, window)
+  return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
-                dk_ref, dv_ref, *, sm_scale, block_q, group):
+                dk_ref, dv_ref, *, sm_scale, block_q, group, window):
   """One (row, KV head, key block): loops over the group's q heads and later q blocks.
 
   q_ref/do_ref [T, G, D]; lse_ref/delta_ref [G, T]; k_ref/v_ref [bk, D]; segq_ref [T].
@@ -158,7 +187,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_
     rows = pl.ds(q_start, block_q)
     q, do = q_ref[rows, g, :], do_ref[rows, g, :]  # [bq, D]
     seg_q = segq_ref[rows]
-    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse_ref[g, rows], sm_scale)
+    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse_ref[g, rows], sm_scale, window)
     dv = dv + _dot(p.astype(do.dtype), do, ((0,), (0,)))  # [bk, D]
     dp = _dot(do, v, ((1,), (1,)))  # [bq, bk]
     ds = p * (dp - delta_ref[g, rows][:, None]) * sm_scale
@@ -172,14 +201,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_
 
   carry = (jnp.zeros((block_kv, d), jnp.float32), jnp.zeros((block_kv, d), jnp.float32))
   first = k_start // block_q  # causal: earlier query blocks never see this key block
+  end = _query_blocks_end(k_start, block_kv, block_q, t // block_q, window)
   for g in range(group):
-    carry = jax.lax.fori_loop(first, t // block_q, functools.partial(body, g), carry)
+    carry = jax.lax.fori_loop(first, end, functools.partial(body, g), carry)
   dk_ref[...] = carry[0].astype(dk_ref.dtype)
   dv_ref[...] = carry[1].astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
-               dq_ref, *, sm_scale, block_kv):
+               dq_ref, *, sm_scale, block_kv, window):
   """One (row, q head, query block): q_ref/do_ref [bq, D]; k_ref/v_ref [T, D]."""
   block_q, d = q_ref.shape
   q_start = pl.program_id(2) * block_q
@@ -192,7 +222,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_r
     seg_k = segk_ref[pl.ds(k_start, block_kv)]
     k = k_ref[pl.ds(k_start, block_kv), :]
     v = v_ref[pl.ds(k_start, block_kv), :]
-    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale)
+    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale, window)
     ds = p * (_dot(do, v, ((1,), (1,))) - delta[:, None]) * sm_scale
     return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)))
 
@@ -203,11 +233,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_r
                         lambda c: grad(k_start, c), lambda c: c, dq)
 
   num_kv = pl.cdiv(q_start + block_q, block_kv)
-  dq = jax.lax.fori_loop(0, num_kv, body, jnp.zeros((block_q, d), jnp.float32))
+  first = _first_key_block(q_start, block_kv, window)
+  dq = jax.lax.fori_loop(first, num_kv, body, jnp.zeros((block_q, d), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret):
+def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, window, cfg, interpret):
   """Gradients of the padded problem: (dq [B,T,Hq,D], dk, dv [B,T,Hkv,D]) in input dtypes."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
@@ -222,7 +253,8 @@ def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret):
   full_stat = pl.BlockSpec((None, group, t), lambda i, h, j: (i, h, 0))
   kv_block = pl.BlockSpec((None, bk, None, d), lambda i, h, j: (i, j, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, sm_scale=sm_scale, block_q=bq, group=group),
+      functools.partial(_dkv_kernel, sm_scale=sm_scale, block_q=bq, group=group,
+                        window=window),
       grid=(b, hkv, t // bk),
       in_specs=[full_q, kv_block, kv_block, full_q, full_stat, full_stat,
                 pl.BlockSpec((None, t), lambda i, h, j: (i, 0)),
@@ -236,7 +268,7 @@ def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret):
   q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
   full_kv = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // group, 0))
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, sm_scale=sm_scale, block_kv=bk),
+      functools.partial(_dq_kernel, sm_scale=sm_scale, block_kv=bk, window=window),
       grid=(b, hq, t // bq),
       in_specs=[q_block, full_kv, full_kv, q_block,
                 pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
@@ -253,19 +285,19 @@ def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret):
 # ----------------------------------------------------------------------------- GPU path
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, seg, sm_scale, cfg, interpret):
-  return _fwd_call(q, k, v, seg, sm_scale, cfg, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, seg, sm_scale, window, cfg, interpret):
+  return _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, sm_scale, cfg, interpret):
-  o, lse = _fwd_call(q, k, v, seg, sm_scale, cfg, interpret)
+def _flash_fwd(q, k, v, seg, sm_scale, window, cfg, interpret):
+  o, lse = _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret)
   return o, (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(sm_scale, cfg, interpret, res, do):
+def _flash_bwd(sm_scale, window, cfg, interpret, res, do):
   q, k, v, seg, o, lse = res
-  dq, dk, dv = _bwd_call(q, k, v, seg, o, lse, do, sm_scale, cfg, interpret)
+  dq, dk, dv = _bwd_call(q, k, v, seg, o, lse, do, sm_scale, window, cfg, interpret)
   return dq, dk, dv, None
 
 
@@ -281,7 +313,7 @@ def _fit_blocks(cfg, t):
                              bwd_block_kv=fit(cfg.bwd_block_kv))
 
 
-def _packed_triton(q, k, v, segment_ids, cfg, interpret):
+def _packed_triton(q, k, v, segment_ids, window, cfg, interpret):
   b, t, _, d = q.shape
   cfg = _fit_blocks(cfg, t)
   for n in (cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv):
@@ -292,14 +324,14 @@ def _packed_triton(q, k, v, segment_ids, cfg, interpret):
   d_pad = max(16, pl.next_power_of_2(d))  # zero columns change neither scores nor outputs
   pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
   seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)))
-  out = _flash(pad(q), pad(k), pad(v), seg, 1.0 / math.sqrt(d), cfg, interpret)
+  out = _flash(pad(q), pad(k), pad(v), seg, 1.0 / math.sqrt(d), window, cfg, interpret)
   return out[:, :t, :, :d]
 
 
 # ----------------------------------------------------------------------------- TPU path
 
 
-def _packed_splash(q, k, v, segment_ids, cfg, interpret):
+def _packed_splash(q, k, v, segment_ids, window, cfg, interpret):
   """Splash attention per row; q pre-scaled since splash applies no softmax scale."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
       splash_attention_kernel as splash, splash_attention_mask as splash_mask)
@@ -308,7 +340,9 @@ def _packed_splash(q, k, v, segment_ids, cfg, interpret):
   t_pad = pl.cdiv(t, blk) * blk
   to_heads = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
   seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)))
-  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t_pad, t_pad))] * hq)
+  head_mask = (splash_mask.CausalMask((t_pad, t_pad)) if window is None else
+               splash_mask.LocalMask((t_pad, t_pad), window_size=(window - 1, 0), offset=0))
+  mask = splash_mask.MultiHeadMask([head_mask] * hq)
   sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk,
                             block_q_dkv=blk, block_kv_dkv=blk, block_kv_dkv_compute=blk,
                             block_q_dq=blk, block_kv_dq=blk)
@@ -318,6 +352,144 @@ def _packed_splash(q, k, v, segment_ids, cfg, interpret):
   scaled_q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
   out = jax.vmap(per_row)(to_heads(scaled_q), to_heads(k), to_heads(v), seg)
   return out.transpose(0, 2, 1, 3)[:, :t]
+
+# ----------------------------------------------------------------------------- CPU path
+
+
+def _key_span(num_blocks, block, window):
+  """Key blocks one query block can see: every earlier one, or those the window reaches."""
+  if window is None:
+    return num_blocks
+  return min(num_blocks, (window - 2) // block + 2)
+
+
+def _tiles(x, block):  # [B, T, ...] -> [T / block, B, block, ...]
+  b, t = x.shape[:2]
+  return x.reshape(b, t // block, block, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _untile(x):  # [n, B, block, ...] -> [B, n * block, ...]
+  x = x.swapaxes(0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _tile_scores(q, k, seg_q, seg_k, i, j, window):
+  """Scores of query tile i against key tile j, [B, Hkv, G, bq, bk] f32, and their mask.
+
+  q [B, bq, Hkv, G, D]; k [B, bk, Hkv, D]; seg_q [B, bq]; seg_k [B, bk].
+  """
+  bq, bk = q.shape[1], k.shape[1]
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+  s = s / math.sqrt(q.shape[-1])
+  mask = jax.vmap(lambda a, b: _mask(a, b, i * bq, j * bk, window))(seg_q, seg_k)
+  return s, mask[:, None, None]
+
+
+def _blocked_forward(q, k, v, seg, window, block):
+  """Online softmax over key tiles per query tile: (o like q, lse [n, B, Hkv, G, block])."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  n = t // block
+  qt = _tiles(q.reshape(b, t, hkv, hq // hkv, d), block)  # [n, B, bq, Hkv, G, D]
+  kt, vt, st = _tiles(k, block), _tiles(v, block), _tiles(seg, block)
+
+  def query_tile(i):
+    def attend(j, carry):
+      m, l, acc = carry
+      s, mask = _tile_scores(qt[i], kt[j], st[i], st[j], i, j, window)
+      s = jnp.where(mask, s, MASK_VALUE)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+      pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vt[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+
+    def step(carry, r):  # key tile i - r; tiles before the row start are skipped
+      j = i - r
+      return jax.lax.cond(j >= 0, functools.partial(attend, j), lambda c: c, carry), None
+
+    stat = (b, hkv, hq // hkv, block)
+    init = (jnp.full(stat, MASK_VALUE, jnp.float32), jnp.zeros(stat, jnp.float32),
+            jnp.zeros((*stat, d), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(_key_span(n, block, window)))
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    o = (acc / l_safe[..., None]).astype(q.dtype)  # [B, Hkv, G, bq, D]
+    return o.transpose(0, 3, 1, 2, 4), jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
+
+  o, lse = jax.lax.map(query_tile, jnp.arange(n))
+  return _untile(o).reshape(b, t, hq, d), lse
+
+
+def _blocked_backward(q, k, v, seg, o, lse, do, window, block):
+  """FlashAttention-2 style gradients: per key tile, recompute probabilities of the query
+  tiles that see it from the saved log-sum-exp; dQ accumulates across key tiles."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  n = t // block
+  grouped = lambda x: _tiles(x.reshape(b, t, hkv, hq // hkv, *x.shape[3:]), block)
+  qt, dot = grouped(q), grouped(do)  # [n, B, bq, Hkv, G, D]
+  kt, vt, st = _tiles(k, block), _tiles(v, block), _tiles(seg, block)
+  delta = jnp.einsum("bthd,bthd->bth", o.astype(jnp.float32), do.astype(jnp.float32))
+  delta = grouped(delta).transpose(0, 1, 3, 4, 2)  # [n, B, Hkv, G, bq]
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # queries with no keys: every p is masked
+
+  def key_tile(dq, j):
+    def grads(i, carry):
+      dk, dv, dq = carry
+      s, mask = _tile_scores(qt[i], kt[j], st[i], st[j], i, j, window)
+      p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)  # [B, Hkv, G, bq, bk]
+      dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), dot[i],
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqhgd,bkhd->bhgqk", dot[i], vt[j], preferred_element_type=jnp.float32)
+      ds = p * (dp - delta[i][..., None]) / math.sqrt(d)
+      dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), qt[i],
+                           preferred_element_type=jnp.float32)
+      dq_i = dq[i] + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k.dtype), kt[j],
+                                preferred_element_type=jnp.float32)
+      return dk, dv, jax.lax.dynamic_update_index_in_dim(dq, dq_i, i, 0)
+
+    def step(carry, r):  # query tile j + r; tiles past the row end are skipped
+      i = j + r
+      return jax.lax.cond(i < n, functools.partial(grads, i), lambda c: c, carry), None
+
+    zeros = jnp.zeros((b, block, hkv, d), jnp.float32)
+    (dk, dv, dq), _ = jax.lax.scan(step, (zeros, zeros, dq),
+                                   jnp.arange(_key_span(n, block, window)))
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_tile, jnp.zeros(qt.shape, jnp.float32), jnp.arange(n))
+  return (_untile(dq).reshape(q.shape).astype(q.dtype), _untile(dk).astype(k.dtype),
+          _untile(dv).astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blocked(q, k, v, seg, window, block):
+  return _blocked_forward(q, k, v, seg, window, block)[0]
+
+
+def _blocked_fwd(q, k, v, seg, window, block):
+  o, lse = _blocked_forward(q, k, v, seg, window, block)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _blocked_bwd(window, block, res, do):
+  return (*_blocked_backward(*res, do, window, block), None)
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def _packed_blocked(q, k, v, segment_ids, window, cfg, interpret):
+  """Pure jnp, [block, block] score tiles only; a row shorter than a block is one tile."""
+  del interpret  # plain XLA: nothing to interpret
+  t = q.shape[1]
+  block = min(cfg.jnp_block, t)
+  t_pad = -t % block
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad)) + ((0, 0),) * (x.ndim - 2))
+  out = _blocked(pad(q), pad(k), pad(v), pad(segment_ids.astype(jnp.int32)), window, block)
+  return out[:, :t]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -335,7 +507,8 @@ class PackedAttentionConfig:
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth.
     splash_block: TPU splash attention block (multiple of 128).
-    backend: "triton" or "splash"; None picks splash on TPU, triton elsewhere.
+    jnp_block: query and key tile of the blocked jnp backend (any size; rows are padded).
+    backend: "triton", "splash" or "blocked"; None picks splash on TPU, triton elsewhere.
     interpret: run the Pallas interpreter; None means "only on CPU".
   """
   block_q: int = 64
@@ -345,6 +518,7 @@ class PackedAttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
   splash_block: int = 512
+  jnp_block: int = 512
   backend: str | None = None
   interpret: bool | None = None
 
@@ -358,8 +532,12 @@ def _resolve(config):
   return backend, interpret
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig()):
+_IMPLS = {"triton": _packed_triton, "splash": _packed_splash, "blocked": _packed_blocked}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sliding_window"))
+def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig(),
+                     sliding_window=None):
   """Causal attention inside packed segments, differentiable in q, k and v.
 
   Args:
@@ -368,6 +546,8 @@ def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig()):
     v: [B, T, Hkv, D] values.
     segment_ids: [B, T] int, contiguous runs per sequence; 0 marks padding.
     config: static tunables.
+    sliding_window: static; query t sees only keys s with t - s < sliding_window. Measured
+      in tokens of the row, which inside a packed segment equals the position distance.
 
   Returns:
     [B, T, Hq, D] in q's dtype; exactly 0 at padding positions.
@@ -375,16 +555,17 @@ def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig()):
   if q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != segment_ids.shape:
     raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} "
                      f"segment_ids {segment_ids.shape}")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
   backend, interpret = _resolve(config)
-  impl = _packed_triton if backend == "triton" else _packed_splash
-  out = impl(q, k, v, segment_ids, config, interpret)
+  out = _IMPLS[backend](q, k, v, segment_ids, sliding_window, config, interpret)
   return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def packed_attention_reference(q, k, v, segment_ids):
+def packed_attention_reference(q, k, v, segment_ids, sliding_window=None):
   """float32 dense masked softmax; [B, T, Hq, D] f32, 0 at padding positions."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
@@ -392,6 +573,8 @@ def packed_attention_reference(q, k, v, segment_ids):
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  if sliding_window is not None:
+    causal &= jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < sliding_window
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   mask = (causal[None] & same & (segment_ids[:, None, :] != 0))[:, None, None]
   # A finite mask value keeps all-masked (padding) rows finite in values and gradients.

@@ -1,19 +1,26 @@
 """Building blocks of the decoder: RMSNorm, RoPE and masked GQA attention.
 
-Pure functions on arrays. The attention here is the plain-jnp path used for the forward
-and the dense-cache decoder; Pallas kernels in jaxrl_post.kernels replace it per backend
-and are tested against it.
+Pure functions on arrays. `attention` is the plain-jnp path shared by short packed rows and
+the dense-cache decoder; `packed_attention_fn` picks, once per packed forward, between it
+and the packed-attention kernels of jaxrl_post.kernels (Triton on GPU, splash on TPU, a
+blocked jnp FlashAttention on CPU), which never hold [S, S] float32 scores for long rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+from jaxrl_post.kernels import PackedAttentionConfig, packed_attention
 from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.sharding import activations, logical_to_spec
 
 # A large finite negative instead of -inf: rows with nothing to attend to (padding)
 # then give a uniform softmax instead of NaNs that would poison gradients.
@@ -101,3 +108,87 @@ def cache_mask(positions, cache_len: int, sliding_window=None):  # [B, T] -> [B,
     mask &= (positions[:, :, None] - slots) < sliding_window
   return mask
 
+
+# ----------------------------------------------------------------------------- packed rows
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingAttention:
+  """How the packed (training) forward attends; static.
+
+  Attributes:
+    plain_max_len: rows of at most this many tokens use the plain masked softmax: their
+      [S, S] scores are small, and one fused XLA program beats a tiled loop there.
+    kernel: tunables of the packed-attention kernel that longer rows use; its backend
+      None picks Triton on GPU, splash attention on TPU and the blocked jnp path on CPU.
+  """
+
+  plain_max_len: int = 512
+  kernel: PackedAttentionConfig = PackedAttentionConfig()
+
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
+                        config: TrainingAttention = TrainingAttention()) -> Attend:
+  """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D]) -> [B, S, Hq, D] for one packed batch.
+
+  Chosen once per forward so the plain path's mask is built once for every layer. Every
+  path gives 0 at padding queries (segment id 0): they attend to nothing. The kernels
+  measure the sliding window in row tokens, which is the position distance the plain
+  path uses wherever positions count up from each segment's start (as packing makes them).
+  """
+  if segment_ids.shape[1] <= config.plain_max_len:
+    return _plain_packed(segment_ids, positions, sliding_window)
+  kernel = config.kernel
+  if kernel.backend is None:
+    backend = {"gpu": "triton", "tpu": "splash"}.get(jax.default_backend(), "blocked")
+    kernel = dataclasses.replace(kernel, backend=backend)
+  fn = functools.partial(packed_attention, config=kernel, sliding_window=sliding_window)
+  if kernel.backend == "blocked":  # plain XLA ops: the partitioner shards them itself
+    return lambda q, k, v: fn(q, k, v, segment_ids)
+  return lambda q, k, v: _per_device(fn, q, k, v, segment_ids)
+
+
+def _plain_packed(segment_ids, positions, sliding_window) -> Attend:
+  mask = packed_mask(segment_ids, positions, sliding_window)  # [B, S, S]
+  real = (segment_ids != 0)[:, :, None, None]
+  return lambda q, k, v: jnp.where(real, attention(q, k, v, mask), 0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def _active_rules():
+  """(rules, mesh) of the enclosing `sharding.activation_rules` block on more than one
+  device, else None. The sharding package has no public accessor for it yet."""
+  active = activations._ACTIVE.get()  # pylint: disable=protected-access
+  return None if active is None or active[1].size == 1 else active
+
+
+def batch_shards(size: int) -> int:
+  """How many pieces the active rules cut a "batch" dimension of `size` into (else 1)."""
+  active = _active_rules()
+  if active is None:
+    return 1
+  rules, mesh = active
+  axes = logical_to_spec(("batch",), (size,), rules, mesh)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _per_device(fn, q, k, v, segment_ids):
+  """fn on each device's rows and heads (shard_map) under active activation rules.
+
+  XLA cannot partition a Pallas call: left to the partitioner it would gather every row
+  and head onto every device. Query heads follow their KV heads, so GQA groups stay whole.
+  """
+  active = _active_rules()
+  if active is None:
+    return fn(q, k, v, segment_ids)
+  rules, mesh = active
+  kv = logical_to_spec(("batch", None, "kv_heads", None), k.shape, rules, mesh)
+  qs = PartitionSpec(kv[0], None, kv[2], None)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(qs, kv, kv, PartitionSpec(kv[0], None)),
+                       out_specs=qs, check_vma=False)(q, k, v, segment_ids)

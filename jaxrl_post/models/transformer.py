@@ -7,6 +7,11 @@ with lax.scan, so compile time stays flat as depth grows.
 
 The forward returns final (normed) hidden states; `lm_head_weight` gives the [D, V] matrix
 separately, so losses can chunk over the vocabulary without materialising [T, V] logits.
+
+Activations name their dimensions too (`sharding.constrain` at the residual stream, the
+attention heads and the MLP hidden layer). Under `sharding.activation_rules` they are
+sharded by the caller's rules table, so adding devices splits the rows (and heads) of the
+work; elsewhere the constraints do nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +24,17 @@ from flax import nnx
 
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.sharding import constrain
 
 LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "lora_rank")
 # How many leading (input) dims each layer matrix contracts; the rest are outputs.
 _INPUT_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+# Logical names of activation dimensions, for sharding.constrain.
+_RESIDUAL = ("batch", None, "embed")  # [B, T, D]
+_HEADS = ("batch", None, "heads", None)  # [B, T, Hq, hd]
+_KV_HEADS = ("batch", None, "kv_heads", None)  # [B, T, Hkv, hd]
+_MLP = ("batch", None, "mlp")  # [B, T, F]
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -123,20 +135,24 @@ class Transformer(nnx.Module):
                                logical_axes=("embed",))
       self.value_b = nnx.Param(jnp.zeros((), dtype), logical_axes=())
 
-  def __call__(self, tokens, positions, segment_ids=None):  # [B, T] x3 -> [B, T, D]
-    """Packed forward: returns final normed hidden states in the compute dtype."""
+  def __call__(self, tokens, positions, segment_ids=None,
+               attention: L.TrainingAttention = L.TrainingAttention()):
+    """Packed forward: [B, T] x3 -> final normed hidden states [B, T, D], compute dtype.
+
+    attention: how rows attend; the default keeps long rows off [T, T] score tensors.
+    """
     cfg = self.config
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
-    mask = L.packed_mask(segment_ids, positions, cfg.sliding_window)
-    x = self.embed_tokens(tokens)
+    attend = L.packed_attention_fn(segment_ids, positions, cfg.sliding_window, attention)
+    x = constrain(self.embed_tokens(tokens), _RESIDUAL)
 
     def body(x, p):
-      return _layer(cfg, x, p, positions, mask), None
+      return _layer(cfg, x, p, positions, attend), None
 
     body = _maybe_remat(body, cfg.remat)
     x, _ = jax.lax.scan(body, x, self.layers.stacked())
-    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    return constrain(L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), _RESIDUAL)
 
   def forward_cached(self, tokens, positions, cache: KVCache, write_start):
     """Forward that writes this chunk's K/V into `cache` at `write_start` per row.
@@ -206,24 +222,26 @@ def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   inv_freq = jnp.asarray(L.rope_inv_freq(cfg))
-  return L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq), v
+  q, k = L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq)
+  return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
 def post_attention(cfg: ModelConfig, x, p, attn):  # [B, T, D], [B, T, Hq, hd] -> [B, T, D]
   """Output projection + residual, then the SwiGLU MLP block + residual."""
   dt = x.dtype
-  out = _dense(cfg, attn, p, "wo")
+  out = _dense(cfg, constrain(attn, _HEADS), p, "wo")
   if cfg.o_bias:
     out = out + p["bo"].astype(dt)
-  x = x + out
+  x = constrain(x + out, _RESIDUAL)
   h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
   gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
-  return x + _dense(cfg, jax.nn.silu(gate) * up, p, "w_down")
+  hidden = constrain(jax.nn.silu(gate) * up, _MLP)
+  return constrain(x + _dense(cfg, hidden, p, "w_down"), _RESIDUAL)
 
 
-def _layer(cfg: ModelConfig, x, p, positions, mask):  # [B, T, D] -> [B, T, D]
+def _layer(cfg: ModelConfig, x, p, positions, attend: L.Attend):  # [B, T, D] -> [B, T, D]
   q, k, v = qkv_projection(cfg, x, p, positions)
-  return post_attention(cfg, x, p, L.attention(q, k, v, mask))
+  return post_attention(cfg, x, p, attend(q, k, v))
 
 
 def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]

@@ -6,6 +6,10 @@ sequence, on a padded [B, T] completion layout; `PackedBatch.gather` maps per-to
 from the packed rows to that layout with one gather, so gradients flow back through it.
 
 Shapes: R rows of S tokens; B trajectories; T the longest completion.
+
+Jitted steps compile once per shape, so the trainer rounds R and T up to fixed buckets
+(`bucket`, `completion_bucket`): a run whose completion lengths vary compiles a few shapes,
+not one per step.
 """
 
 from __future__ import annotations
@@ -56,6 +60,36 @@ def gather_completions(per_token, completion_index, completion_mask):
   Works on numpy and jax arrays alike; under jax the gradient flows back to the rows.
   """
   return per_token.reshape(-1)[completion_index] * completion_mask
+
+
+MIN_COMPLETION_BUCKET = 8
+
+
+def bucket(n: int, multiple: int = 1) -> int:
+  """The smallest `multiple` x 2^k >= n: few distinct sizes, each a multiple of `multiple`."""
+  size = multiple
+  while size < n:
+    size *= 2
+  return size
+
+
+def completion_bucket(longest: int) -> int:
+  """Completion width T for a batch whose longest completion has `longest` tokens."""
+  return bucket(longest, MIN_COMPLETION_BUCKET)
+
+
+def pad_trajectories(packed: PackedBatch, n: int) -> PackedBatch:
+  """The completion layout padded to n trajectories with empty ones (mask 0, index 0).
+
+  A padding trajectory has no completion token, so every masked reduction, the token and
+  sequence normalisers and the gather (index 0 times mask 0) ignore it.
+  """
+  extra = n - len(packed.completion_mask)
+  if extra < 0:
+    raise ValueError(f"cannot pad {len(packed.completion_mask)} trajectories to {n}")
+  pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
+  return dataclasses.replace(packed, completion_index=pad(packed.completion_index),
+                             completion_mask=pad(packed.completion_mask))
 
 
 def _first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:

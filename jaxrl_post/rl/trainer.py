@@ -9,11 +9,18 @@ counted in `TrainState.skipped`.
 
 With LoRA only the adapters train; the frozen base lives in `TrainState.frozen` and the
 reference policy is the base with the adapters switched off (no second copy of weights).
+
+On a mesh the step is data-parallel by sharding, not by a loop: the packed rows R and the
+trajectories B of every batch are split over the mesh axes the rules give "batch" (data,
+fsdp in training), and the jitted functions trace under `activation_rules`, so the model's
+activation constraints keep each device on its own rows. Rows and trajectories are padded
+to a multiple of that shard count with padding that carries no completion token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -30,11 +37,14 @@ from jaxrl_post.rl import metrics as canaries
 from jaxrl_post.rl.advantages import AdvantageConfig, compute_advantages
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
 from jaxrl_post.rl.losses import LossConfig, global_normaliser, policy_loss
+from jaxrl_post.rl.masked import masked_mean, sequence_lengths
 from jaxrl_post.rl.off_policy import OffPolicyConfig, off_policy_correction
 from jaxrl_post.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
-from jaxrl_post.rl.packing import Trajectory, pack
+from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, pack,
+                                   pad_trajectories)
 from jaxrl_post.rl.value import terminal_rewards, value_loss
-from jaxrl_post.sharding import TRAINING_RULES, tree_shardings
+from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, logical_to_spec,
+                                 tree_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,19 +109,55 @@ class Trainer:
 
   def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig(),
                mesh: Optional[Mesh] = None, rules=TRAINING_RULES):
-    self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
+    self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, cfg, mesh, rules
     self.model = abstract_model(model_cfg)
     self.lora = model_cfg.lora is not None
     self.value_head = model_cfg.value_head
     self.optimizer = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
     self.param_shardings = None
+    self.batch_shards = 1  # Pieces the rows and trajectories of a batch are split into.
+    self._inputs_sharding = self._batch_sharding = None
     if mesh is not None:
       self.param_shardings = tree_shardings(logical_axes(self.model), params_of(self.model),
                                             rules, mesh)
-    self._logprobs = jax.jit(self._completion_logprobs)
-    self._values = jax.jit(self._completion_values)
+      axes = _batch_axes(rules, mesh)
+      self.batch_shards = math.prod(mesh.shape[a] for a in _axis_names(axes))
+      self._inputs_sharding = NamedSharding(mesh, PartitionSpec(axes))  # [R, ...], [B, ...]
+      self._batch_sharding = NamedSharding(mesh, PartitionSpec(None, axes))  # [M, R or B, ...]
+    self._logprobs = self._jit(self._completion_logprobs, (None, self._inputs_sharding))
+    self._values = self._jit(self._completion_values, (None, self._inputs_sharding))
     self._step = None  # Built by init_state, once the state's shardings are known.
+
+  def _jit(self, fn, in_shardings, **kwargs):
+    """jax.jit of fn traced under this trainer's activation rules, with explicit input
+    shardings on a mesh. The rules must be active while jax traces (not around a call)."""
+    @functools.wraps(fn)
+    def traced(*args, **kw):
+      with activation_rules(self.rules, self.mesh):
+        return fn(*args, **kw)
+
+    if self.mesh is not None:
+      kwargs["in_shardings"] = in_shardings
+    return jax.jit(traced, **kwargs)
+
+  def place_inputs(self, inputs: PackedInputs) -> PackedInputs:
+    """A packed batch on the device(s), rows and trajectories split over the batch shards."""
+    return self._place(inputs, self._inputs_sharding, axis=0)
+
+  def place_batch(self, batch: StepBatch) -> StepBatch:
+    """A step's batch on the device(s), split like `place_inputs` behind its [M] axis."""
+    return self._place(batch, self._batch_sharding, axis=1)
+
+  def _place(self, tree, sharding, axis: int):
+    if sharding is None:
+      return jax.device_put(tree)
+    for x in jax.tree.leaves(tree):
+      if x.shape[axis] % self.batch_shards:
+        raise ValueError(f"trainer: a batch dimension of {x.shape[axis]} (shape {x.shape}) "
+                         f"does not split over {self.batch_shards} batch shards; pack with "
+                         f"pack_micro_batches(..., shards={self.batch_shards})")
+    return jax.device_put(tree, sharding)
 
   # ------------------------------------------------------------------ state
 
@@ -145,13 +191,14 @@ class Trainer:
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
                        opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
-    out = None
+    placed, out = None, {}
     if self.mesh is not None:
       placed = _state_shardings(state, self.mesh)
       state = jax.device_put(state, placed)
-      out = (placed, None)
-    self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames=("on_policy",),
-                         out_shardings=out)
+      # Metrics replicated: small, and every process can read them.
+      out = {"out_shardings": (placed, NamedSharding(self.mesh, PartitionSpec()))}
+    self._step = self._jit(self._train_step, (placed, self._batch_sharding), donate_argnums=0,
+                           static_argnums=2, **out)
     return state
 
   def full_params(self, state: TrainState) -> dict:
@@ -170,7 +217,7 @@ class Trainer:
 
   def logprobs(self, params: dict, inputs: PackedInputs):
     """(logprob [B, T], entropy [B, T]) of a packed batch under `params` (no gradient)."""
-    return self._logprobs(params, inputs)
+    return self._logprobs(params, self.place_inputs(inputs))
 
   def _completion_values(self, params, inputs: PackedInputs):
     return completion_logprobs(self.model, params, inputs, self.cfg.temperature,
@@ -178,7 +225,7 @@ class Trainer:
 
   def values(self, params: dict, inputs: PackedInputs):
     """Critic values [B, T] of a packed batch under `params` (value-head models)."""
-    return self._values(params, inputs)
+    return self._values(params, self.place_inputs(inputs))
 
   # -------------------------------------------------------------------- step
 
@@ -208,7 +255,9 @@ class Trainer:
                  "value_loss": v_loss}
     return loss, per_token
 
-  def _train_step(self, state: TrainState, batch: StepBatch, normaliser, on_policy: bool):
+  def _train_step(self, state: TrainState, batch: StepBatch, on_policy: bool):
+    mask = batch.inputs.completion_mask  # [M, B, T]: the whole step's tokens
+    normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def accumulate(carry, mb):
@@ -237,8 +286,10 @@ class Trainer:
     mask = flat(batch.inputs.completion_mask)
     out = {}
     out.update(canaries.ratio_canaries(flat(t["ratio"]), mask))
-    # 16 bins over [0.5, 1.5): the outer bins also count everything beyond them.
-    out["ratio/hist"] = canaries.masked_histogram(flat(t["ratio"]), mask, 0.5, 1.5, 16)
+    # 17 bins of 1/16 centred on 1 (the outer bins also count everything beyond them).
+    # Ratio 1 is the mode (on-policy tokens, tokens an update left alone): on a bin edge,
+    # summation-order rounding (another device count) would move those tokens across it.
+    out["ratio/hist"] = canaries.masked_histogram(flat(t["ratio"]), mask, 15 / 32, 49 / 32, 17)
     out.update(canaries.clip_fractions(flat(t["clip_low"]), flat(t["clip_high"]), mask))
     out["kl/behaviour"] = canaries.behaviour_kl(flat(t["logp"]), flat(batch.behaviour_logprobs),
                                                 mask)
@@ -247,7 +298,7 @@ class Trainer:
     out.update(canaries.logprob_mismatch(flat(t["logp"]), flat(batch.behaviour_logprobs), mask))
     out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
     out.update(canaries.advantage_stats(flat(batch.advantages), mask))
-    out.update(canaries.length_stats(mask))
+    out.update(_length_stats(mask))
     return out
 
   def step(self, state: TrainState, batch: StepBatch,
@@ -257,9 +308,29 @@ class Trainer:
     on_policy: the parameters are those that sampled the batch (the first step after a
       synchronous rollout); batch.old_logprobs is then not read.
     """
-    mask = batch.inputs.completion_mask
-    normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
-    return self._step(state, batch, normaliser, on_policy=on_policy)
+    return self._step(state, self.place_batch(batch), on_policy)
+
+
+def _length_stats(mask):  # [N, T] -> dict of scalars
+  """Completion lengths of the real trajectories: a padding one has none (a real
+  completion is never empty), and must not pull the mean and minimum to 0."""
+  lengths = sequence_lengths(mask)
+  real = lengths > 0
+  shortest = jnp.min(jnp.where(real, lengths, jnp.inf))
+  return {"length/mean": masked_mean(lengths, real),
+          "length/min": jnp.where(jnp.any(real), shortest, 0.0),
+          "length/max": jnp.max(lengths)}
+
+
+def _batch_axes(rules, mesh: Mesh):
+  """Mesh axes the rules give a "batch" dimension that all of them divide (None: none)."""
+  wanted = dict(rules).get("batch", ())
+  size = math.prod(mesh.shape[a] for a in wanted)
+  return logical_to_spec(("batch",), (size,), rules, mesh)[0]
+
+
+def _axis_names(axes) -> tuple[str, ...]:
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _state_shardings(state: TrainState, mesh: Mesh):
@@ -308,16 +379,32 @@ def split_minibatches(n: int, minibatches: int, micro_batches: int) -> list[list
 
 
 def pack_micro_batches(trajectories: Sequence[Trajectory], groups: list[list[int]],
-                       row_tokens: int, max_completion: int) -> list[PackedInputs]:
-  """Packs each micro-batch with the same row count (static shapes for the scan)."""
+                       row_tokens: int, max_completion: int,
+                       shards: int = 1) -> list[PackedInputs]:
+  """Packs each micro-batch with the same shapes (static for the scan), on the host.
+
+  Rows come from fixed buckets, `shards` x a power of two, so every batch shard gets whole
+  rows and a run compiles few shapes; the trajectories of the completion layout are padded
+  with empty ones to a multiple of `shards`. Padding rows have segment id 0 everywhere.
+  """
   need = max(len(pack([trajectories[i] for i in g], row_tokens).tokens) for g in groups)
-  rows = 1 << max(0, math.ceil(math.log2(need)))  # Powers of two: few recompiles.
-  return [PackedInputs.from_packed(pack([trajectories[i] for i in g], row_tokens, rows,
-                                        max_completion)) for g in groups]
+  rows = bucket(need, shards)
+  size = shards * math.ceil(max(len(g) for g in groups) / shards)
+  return [PackedInputs.on_host(pad_trajectories(
+      pack([trajectories[i] for i in g], row_tokens, rows, max_completion), size))
+          for g in groups]
 
 
 def stack(items: Sequence[Any]) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *items)
+
+
+def _stack_host(items: Sequence[Any]) -> Any:
+  return jax.tree.map(lambda *xs: np.stack(xs), *items)
+
+
+def _pad_to(x: np.ndarray, n: int) -> np.ndarray:  # [b, ...] -> [n, ...], zero rows after
+  return np.pad(x, ((0, n - len(x)),) + ((0, 0),) * (x.ndim - 1))
 
 
 def to_completion_layout(values: Sequence[Sequence[float]], t: int) -> np.ndarray:
@@ -373,7 +460,7 @@ def prepare_step_batches(trainer: Trainer, state: TrainState,
   cfg = trainer.cfg
   if (advantages is None) != trainer.value_head or (advantages is None and rewards is None):
     raise ValueError("pass advantages for a policy-only model, rewards for a value-head one")
-  t = 8 * math.ceil(max(len(x.completion) for x in trajectories) / 8)
+  t = completion_bucket(max(len(x.completion) for x in trajectories))
   plan = split_minibatches(len(trajectories), cfg.minibatches, cfg.micro_batches)
   old_params = trainer.full_params(state)  # The policy that sampled (before any update).
   ref = ref_params if ref_params is not None else trainer.reference_params(state)
@@ -402,23 +489,31 @@ def run_step_batches(trainer: Trainer, state: TrainState, batches: Sequence[Step
 
 def _step_batch(trainer, old_params, ref, trajectories, behaviour, advantages, rewards,
                 minibatch, t, skip_old: bool) -> StepBatch:
-  """Packs one minibatch's micro-batches and gathers every per-token input of the step."""
-  inputs = pack_micro_batches(trajectories, minibatch, trainer.cfg.row_tokens, t)
-  zeros = [jnp.zeros_like(x.completion_mask) for x in inputs]
+  """Packs one minibatch's micro-batches and gathers every per-token input of the step.
+
+  Per-trajectory inputs are padded like the completion layout (zeros: padding
+  trajectories have an all-zero mask, so nothing reads them).
+  """
+  host = pack_micro_batches(trajectories, minibatch, trainer.cfg.row_tokens, t,
+                            trainer.batch_shards)
+  inputs = [trainer.place_inputs(x) for x in host]
+  b = host[0].completion_mask.shape[0]
+  per_seq = lambda x, g: _pad_to(np.asarray(x, np.float32)[g], b)  # [B]
+  zeros = [np.zeros((b, t), np.float32)] * len(host)
   old = zeros if skip_old else [trainer.logprobs(old_params, x)[0] for x in inputs]
   if trainer.value_head:
     values = [trainer.values(old_params, x) for x in inputs]
-    targets = [compute_advantages(terminal_rewards(jnp.asarray(np.asarray(rewards, np.float32)[g]),
+    targets = [compute_advantages(terminal_rewards(jnp.asarray(per_seq(rewards, g)),
                                                    x.completion_mask), x.completion_mask,
                                   trainer.cfg.gae, values=v)
                for g, x, v in zip(minibatch, inputs, values)]
     adv, returns = [a for a, _ in targets], [r for _, r in targets]
   else:
     values, returns = zeros, zeros
-    adv = [jnp.asarray(np.asarray(advantages, np.float32)[g])[:, None] * x.completion_mask
-           for g, x in zip(minibatch, inputs)]
-  beh = [jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)) for g in minibatch]
-  return StepBatch(inputs=stack(inputs), old_logprobs=stack(old),
-                   behaviour_logprobs=stack(beh),
-                   ref_logprobs=stack([trainer.logprobs(ref, x)[0] for x in inputs]),
-                   advantages=stack(adv), old_values=stack(values), returns=stack(returns))
+    adv = [per_seq(advantages, g)[:, None] * x.completion_mask for g, x in zip(minibatch, host)]
+  beh = [_pad_to(to_completion_layout([behaviour[i] for i in g], t), b) for g in minibatch]
+  ref_logprobs = [trainer.logprobs(ref, x)[0] for x in inputs]
+  return trainer.place_batch(StepBatch(
+      inputs=_stack_host(host), old_logprobs=stack(old), behaviour_logprobs=_stack_host(beh),
+      ref_logprobs=stack(ref_logprobs), advantages=stack(adv), old_values=stack(values),
+      returns=stack(returns)))
