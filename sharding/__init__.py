@@ -4,7 +4,7 @@ Model parameters carry `logical_axes` metadata (see jaxrl_post.models.transforme
 package maps those names to mesh axes, so model code never names a mesh.
 """
 
-from jaxrl_post.sharding.activations import activation_rules, constrain
+from jaxrl_post.sharding.activations import activation_rules, active_rules, constrain
 from jaxrl_post.sharding.mesh import (AXES, DistributedConfig, MeshConfig,
                                       distributed_config_from_env, initialize, make_mesh)
 from jaxrl_post.sharding.placement import Meshes, PlacementConfig, build_meshes
@@ -12,7 +12,7 @@ from jaxrl_post.sharding.rules import (ROLLOUT_RULES, TRAINING_RULES, logical_to
                                        tree_shardings)
 from jaxrl_post.sharding.sync import RolloutWeights, SyncConfig, WeightSync
 
-__all__ = ["AXES", "activation_rules", "constrain", "DistributedConfig", "MeshConfig", "Meshes", "PlacementConfig",
+__all__ = ["AXES", "activation_rules", "active_rules", "constrain", "DistributedConfig", "MeshConfig", "Meshes", "PlacementConfig",
            "ROLLOUT_RULES", "RolloutWeights", "SyncConfig", "TRAINING_RULES", "WeightSync",
            "build_meshes", "distributed_config_from_env", "initialize", "logical_to_spec",
            "make_mesh", "tree_shardings"]

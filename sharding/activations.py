@@ -34,13 +34,18 @@ def activation_rules(rules: Rules, mesh: Optional[Mesh]) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+def active_rules() -> Optional[tuple[Rules, Mesh]]:
+  """(rules, mesh) of the enclosing `activation_rules` block on more than one device, else
+  None: for code that must split work per device itself (a Pallas call under shard_map)."""
+  active = _ACTIVE.get()
+  return None if active is None or active[1].size == 1 else active
+
+
 def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
   """x with a sharding constraint from its logical dim names (None: replicated dim)."""
-  active = _ACTIVE.get()
+  active = active_rules()
   if active is None:
     return x
   rules, mesh = active
-  if mesh.size == 1:
-    return x
   spec = logical_to_spec([n or "" for n in names], x.shape, rules, mesh)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_post.kernels import PackedAttentionConfig, packed_attention
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.sharding import activations, logical_to_spec
+from jaxrl_post.sharding import active_rules, logical_to_spec
 
 # A large finite negative instead of -inf: rows with nothing to attend to (padding)
 # then give a uniform softmax instead of NaNs that would poison gradients.
@@ -160,16 +160,9 @@ def _plain_packed(segment_ids, positions, sliding_window) -> Attend:
 # ----------------------------------------------------------------------------- sharding
 
 
-def _active_rules():
-  """(rules, mesh) of the enclosing `sharding.activation_rules` block on more than one
-  device, else None. The sharding package has no public accessor for it yet."""
-  active = activations._ACTIVE.get()  # pylint: disable=protected-access
-  return None if active is None or active[1].size == 1 else active
-
-
 def batch_shards(size: int) -> int:
   """How many pieces the active rules cut a "batch" dimension of `size` into (else 1)."""
-  active = _active_rules()
+  active = active_rules()
   if active is None:
     return 1
   rules, mesh = active
@@ -184,7 +177,7 @@ def _per_device(fn, q, k, v, segment_ids):
   XLA cannot partition a Pallas call: left to the partitioner it would gather every row
   and head onto every device. Query heads follow their KV heads, so GQA groups stay whole.
   """
-  active = _active_rules()
+  active = active_rules()
   if active is None:
     return fn(q, k, v, segment_ids)
   rules, mesh = active
