@@ -385,6 +385,17 @@ def _tile_scores(q, k, seg_q, seg_k, i, j, window):
   return s, mask[:, None, None]
 
 
+def _vary(index, tile):
+  """The tile loop's index, tied to the tile's data by an optimization barrier.
+
+  Inside a scan over layers, anything computed from loop indices alone (each tile pair's
+  causal mask, the zeros of a masked select) is layer-invariant, and JAX hoists it out of
+  the layer loop, materialising every [block, block] tile of all n x n pairs at once:
+  [S, S] memory again. Through the barrier the index depends on the layer's data.
+  """
+  return jax.lax.optimization_barrier((index, tile))
+
+
 def _blocked_forward(q, k, v, seg, window, block):
   """Online softmax over key tiles per query tile: (o like q, lse [n, B, Hkv, G, block])."""
   b, t, hq, d = q.shape
@@ -394,9 +405,11 @@ def _blocked_forward(q, k, v, seg, window, block):
   kt, vt, st = _tiles(k, block), _tiles(v, block), _tiles(seg, block)
 
   def query_tile(i):
+    i, q_i = _vary(i, qt[i])
+
     def attend(j, carry):
       m, l, acc = carry
-      s, mask = _tile_scores(qt[i], kt[j], st[i], st[j], i, j, window)
+      s, mask = _tile_scores(q_i, kt[j], st[i], st[j], i, j, window)
       s = jnp.where(mask, s, MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=-1))
       alpha = jnp.exp(m - m_new)
@@ -436,6 +449,8 @@ def _blocked_backward(q, k, v, seg, o, lse, do, window, block):
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # queries with no keys: every p is masked
 
   def key_tile(dq, j):
+    j, _ = _vary(j, kt[j])
+
     def grads(i, carry):
       dk, dv, dq = carry
       s, mask = _tile_scores(qt[i], kt[j], st[i], st[j], i, j, window)

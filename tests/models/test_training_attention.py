@@ -113,6 +113,26 @@ def test_long_rows_never_hold_seq_by_seq_float32_scores():
     close(g, w)
 
 
+def test_tiles_are_not_hoisted_out_of_a_layer_scan():
+  """Under a scan over layers, values computed from tile indices alone (the causal mask of
+  each tile pair, a masked select's zeros) are layer-invariant; JAX would hoist them out of
+  the loop and stack every tile pair: [n, n, ..., block, block], S * S elements again."""
+  b, s, hq, hkv, d, block = 1, 1024, 2, 1, 16, 128
+  seg = jnp.ones((b, s), jnp.int32)
+  attend = functools.partial(L.packed_attention, config=PackedAttentionConfig(
+      backend="blocked", jnp_block=block), sliding_window=None)
+
+  def loss(w, x):
+    def layer(x, wl):
+      q = (x @ wl).reshape(b, s, hq, d)
+      return x + attend(q, q[:, :, :hkv], q[:, :, :hkv], seg).reshape(b, s, hq * d), None
+    return jnp.sum(jax.lax.scan(layer, x, w)[0])
+
+  w, x = jnp.zeros((2, hq * d, hq * d)), jnp.zeros((b, s, hq * d))
+  compiled = jax.jit(jax.grad(loss)).lower(w, x).compile()
+  assert max(f32_sizes(compiled.as_text())) < s * s
+
+
 def model_loss(model, tokens, positions, segments, attention):
   graphdef, state = nnx.split(model)
 
