@@ -138,7 +138,8 @@ class RLRun:
     if cfg.max_seq_len is None:
       cfg = dataclasses.replace(cfg, max_seq_len=longest)
     pool = cfg.pool
-    free = free_device_bytes(self.meshes.rollout.devices.flat[0])
+    local = [d for d in self.meshes.rollout.devices.flat if d.process_index == jax.process_index()]
+    free = free_device_bytes(local[0])  # Memory stats exist only for this process's devices.
     if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
         or not self.meshes.colocated):
       return cfg

@@ -59,6 +59,11 @@ class RolloutLayout:
     return self.mesh.shape["data"]
 
   @property
+  def local_device(self) -> jax.Device:
+    """A device of this mesh that this process drives (memory stats exist only for those)."""
+    return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+  @property
   def multi_process(self) -> bool:
     return len({d.process_index for d in self.mesh.devices.flat}) > 1
 

@@ -78,8 +78,6 @@ def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="open: on the loaded 2-core CI host, process 0 sometimes misses "
-                  "jax.distributed's shutdown barrier after the run (the run itself completes)")
 def test_two_processes_write_the_metrics_of_one_process(tmp_path):
   port = free_port()
   workdir = tmp_path / "multi"
