@@ -33,7 +33,8 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
-from jaxrl_post.rl.trainer import StepBatch, Trainer, TrainerConfig, TrainState
+from jaxrl_post.rl.trainer import (StepBatch, Trainer, TrainerConfig, TrainState,
+                                   optimizer_state_shardings)
 from jaxrl_post.rollout.pages import page_bytes
 from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
                                  logical_to_spec, make_mesh, tree_shardings)
@@ -208,26 +209,6 @@ def compile_with_allocations(lowered, top: int = 0):
 # ------------------------------------------------------------------------ train step
 
 
-def _like_params(tree, params: dict, mesh: Mesh):
-  """Shardings for an optimizer state: a leaf whose path ends with a parameter's path
-  takes that parameter's sharding (Adam's mu and nu); anything else is replicated.
-
-  Mirrors the trainer's rule on abstract values, so the planned layout is the real one.
-  """
-  by_path = {tuple(k.key for k in p): x.sharding
-             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def pick(path, leaf):
-    keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
-    for n in range(len(keys)):
-      if by_path.get(keys[n:]) is not None:
-        return by_path[keys[n:]]
-    return replicated
-
-  return jax.tree_util.tree_map_with_path(pick, tree)
-
-
 def abstract_train_state(trainer: Trainer, mesh: Mesh) -> TrainState:
   """The TrainState `trainer.init_state` would build, as sharded ShapeDtypeStructs."""
   model = trainer.model
@@ -236,7 +217,7 @@ def abstract_train_state(trainer: Trainer, mesh: Mesh) -> TrainState:
   full = _abstract(params_of(model), shardings)
   trainable, frozen = trainer.split(full)
   opt = jax.eval_shape(trainer.optimizer.init, trainable)
-  opt = _abstract(opt, _like_params(opt, trainable, mesh))
+  opt = _abstract(opt, optimizer_state_shardings(opt, trainable, mesh))
   scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
   return TrainState(step=scalar, params=trainable, frozen=frozen, opt_state=opt,
                     skipped=scalar)

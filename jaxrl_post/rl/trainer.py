@@ -187,7 +187,7 @@ class Trainer:
     shardings = None
     if self.mesh is not None:
       opt_abstract = jax.eval_shape(self.optimizer.init, trainable)
-      shardings = _like_params(opt_abstract, trainable, self.mesh)
+      shardings = optimizer_state_shardings(opt_abstract, trainable, self.mesh)
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
                        opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
@@ -340,7 +340,7 @@ def _state_shardings(state: TrainState, mesh: Mesh):
                       else replicated, state)
 
 
-def _like_params(tree, params: dict, mesh: Mesh):
+def optimizer_state_shardings(tree, params: dict, mesh: Mesh):
   """Shardings for an optimizer state: a leaf whose path ends with a parameter's path
   (Adam's mu and nu mirror the parameters) takes that parameter's sharding."""
   by_path = {tuple(k.key for k in p): x.sharding
