@@ -48,7 +48,7 @@ from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
 from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
 from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, tree_shardings
 
-_MIN_CHUNK = 16  # Smallest prefill chunk shape; chunks are powers of two up to the limit.
+_MIN_CHUNK = 16  # Prefill chunk shapes: multiples of this up to 4x, then powers of two.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,9 @@ class EngineConfig:
   Attributes:
     num_slots: sequences decoded together (the decode batch).
     decode_steps: decode steps per device call; the host sees tokens once per call.
-    prefill_chunk: most prompt tokens written per prefill call.
+    prefill_chunk: most prompt tokens of one prompt written per prefill call.
+    prefill_rows: most prompts prefilled together in one call, per data shard (each in
+      its own row, its chunk padded to a multiple of 16 tokens).
     max_seq_len: longest prompt + completion; None means the model's context.
     max_stop_ids: most stop ids per request.
     kv_dtype: the pool's dtype; None means the model's compute dtype.
@@ -76,6 +78,7 @@ class EngineConfig:
   num_slots: int = 8
   decode_steps: int = 16
   prefill_chunk: int = 256
+  prefill_rows: int = 8
   max_seq_len: int | None = None
   max_stop_ids: int = 8
   kv_dtype: str | None = None
@@ -84,8 +87,8 @@ class EngineConfig:
   group_slots: int = 0
 
   def __post_init__(self):
-    for name in ("num_slots", "decode_steps", "prefill_chunk", "max_stop_ids",
-                 "min_table_pages"):
+    for name in ("num_slots", "decode_steps", "prefill_chunk", "prefill_rows",
+                 "max_stop_ids", "min_table_pages"):
       if getattr(self, name) < 1:
         raise UserError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
     if self.group_slots < 0:
@@ -97,14 +100,18 @@ class EngineConfig:
 
 
 class SlotState(NamedTuple):
-  """Per-slot decode state, the carry of the device loop (B = num_slots)."""
+  """Per-slot decode state, the carry of the device loop (B = num_slots).
+
+  It lives on the devices between decode calls; the host keeps a mirror, and sends only
+  the rows it changed (an insert, a freed slot, pages grown) before the next call.
+  """
 
   tokens: jax.Array  # [B] int32 next token to feed
   lengths: jax.Array  # [B] int32 tokens in the slot's pages (position of `tokens`)
   num_generated: jax.Array  # [B] int32 completion tokens so far (the fed one included)
   max_tokens: jax.Array  # [B] int32
   active: jax.Array  # [B] bool
-  page_table: jax.Array  # [B, M] int32 (cascade: only the pages after the block's prefix)
+  page_table: jax.Array  # [B, M] int32 every page of the slot (M = max_seq_len / page)
   seeds: jax.Array  # [B] uint32
   sample_ids: jax.Array  # [B] int32
   temperature: jax.Array  # [B] float32
@@ -133,24 +140,49 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
   return with_params(_template(cfg), params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout"),
-                   donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width"),
+                   donate_argnames=("pool", "state"))
 def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
-                 cfg: ModelConfig, steps: int, layout: RolloutLayout):
+                 cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
-  for the call, so it stays out of the loop carry.
+  for the call, so it stays out of the loop carry. The loop sees `width` columns (None:
+  all) of each slot's page table, from its first page (plain) or from the first page after
+  its block's shared prefix (cascade).
 
   Returns:
-    (pool, final state, tokens [B, steps] (-1 where a slot produced none), logprobs); all
-    but the pool replicated, so every process reads them whole.
+    (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
+    (-1 where a slot produced none), logprobs, active [B]); the last three replicated, so
+    every process reads them whole.
   """
+  full = state.page_table
+  table = _loop_table(full, shared, width, pool.k.shape[3])
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    pool, state, out_tokens, out_logprobs = _decode_steps(params, pool, state, shared, cfg,
-                                                          steps, layout)
+    pool, state, out_tokens, out_logprobs = _decode_steps(
+        params, pool, state._replace(page_table=table), shared, cfg, steps, layout)
+  state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
+                       state._replace(page_table=full))
   whole = lambda x: jax.lax.with_sharding_constraint(x, layout.replicated)
-  return pool, jax.tree.map(whole, state), whole(out_tokens), whole(out_logprobs)
+  return pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active)
+
+
+def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size: int):
+  """[B, M] page tables -> the [B, width] ones the decode step reads (see _decode_loop)."""
+  width = width or full.shape[1]
+  if shared is None:
+    return full[:, :width]
+  rows_per_block = full.shape[0] // shared.lengths.shape[0]
+  start = jnp.repeat(shared.lengths // page_size, rows_per_block)  # [B] shared pages
+  cols = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]
+  own = jnp.take_along_axis(full, jnp.minimum(cols, full.shape[1] - 1), axis=1)
+  return jnp.where(cols < full.shape[1], own, TRASH_PAGE)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(state: SlotState, index, rows: SlotState) -> SlotState:
+  """state with rows `index` replaced ([N] slot ids; ids >= B are padding, dropped)."""
+  return jax.tree.map(lambda a, r: a.at[index].set(r, mode="drop"), state, rows)
 
 
 def _decode_steps(params, pool, state, shared, cfg, steps, layout):
@@ -194,13 +226,11 @@ def _prefill(params, pool: KVPool, tokens, start, num_valid, page_table, *, cfg:
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
-def _sample_first(logits, row, seeds, sample_ids, temperature, top_k, top_p, *,
-                  layout: RolloutLayout):  # [R, V], [], [K] x5
-  """Each sample's first token (token index 0) from the last logits of prefill row `row`."""
-  k = seeds.shape[0]
-  keys = token_keys(seeds, sample_ids, jnp.zeros((k,), jnp.int32))
-  last = jax.lax.dynamic_index_in_dim(logits, row, keepdims=True)  # [1, V]
-  out = sample(jnp.broadcast_to(last, (k, logits.shape[-1])), keys, temperature, top_k, top_p)
+def _sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
+                  layout: RolloutLayout):  # [R, V], [S] x6
+  """Each sample's first token (token index 0) from the last logits of its prefill row."""
+  keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
+  out = sample(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p)
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
 
 
@@ -235,6 +265,14 @@ def _placed(x, sharding):
 
 def _pow2_at_least(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _chunk_width(tokens: int) -> int:
+  """Prefill chunk shape for `tokens` tokens: short prompts (the common case in RL) pad to
+  a multiple of 16, longer chunks to a power of two, so only a few shapes compile."""
+  if tokens <= 4 * _MIN_CHUNK:
+    return cdiv(max(tokens, 1), _MIN_CHUNK) * _MIN_CHUNK
+  return _pow2_at_least(tokens)
 
 
 @dataclasses.dataclass
@@ -328,6 +366,8 @@ class Engine:
     self.num_slots = shard_count(config.num_slots, self.shards, config.group_slots)
     self.slots_per_shard = self.num_slots // self.shards
     self._slots = _host_slots(self.num_slots, self.max_pages, config.max_stop_ids)
+    self._device_slots = self.layout.put_rows(self._slots)  # Stays on the devices.
+    self._dirty: set[int] = set()  # Slots whose host rows the devices have not seen yet.
     self._seqs: list[PagedSequence | None] = [None] * self.num_slots
     self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
@@ -449,44 +489,64 @@ class Engine:
     """Writes the next chunk of the prompt; True once the prompt is done and first tokens drawn."""
     return self.prefill_batch([prefix])[0]
 
+  @property
+  def prefill_rows(self) -> int:
+    """Most prompts one prefill call takes per data shard."""
+    return self.config.prefill_rows
+
   def prefill_batch(self, prefixes: Sequence[Prefix]) -> list[bool]:
-    """The next chunk of each prefix in one device call (at most one prefix per data shard:
-    each shard's row writes its own pages). Returns, per prefix, whether it is done."""
-    shards = [p.shard for p in prefixes]
-    assert len(set(shards)) == len(shards), f"two prefixes on one data shard: {shards}"
+    """The next chunk of each prefix in one device call: at most `prefill_rows` prefixes
+    per data shard, each in its own row of that shard. The samples of every prefix that
+    completes draw their first tokens together, in one more call, fetched once.
+    Returns, per prefix, whether it is done."""
+    per_shard = [[p for p in prefixes if p.shard == s] for s in range(self.shards)]
+    rows = _pow2_at_least(max(len(group) for group in per_shard))
+    assert rows <= _pow2_at_least(self.prefill_rows), (rows, self.prefill_rows)
     counts = [min(self.config.prefill_chunk, len(p.prompt) - p.prefilled) for p in prefixes]
-    chunk = min(max(_pow2_at_least(max(counts)), _MIN_CHUNK), self.config.prefill_chunk)
-    rows = self.shards
-    tokens = np.zeros((rows, chunk), np.int32)
-    start, num_valid = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-    tables = np.full((rows, self.max_pages), TRASH_PAGE, np.int32)
+    chunk = min(_chunk_width(max(counts)), self.config.prefill_chunk)
+    tokens = np.zeros((self.shards * rows, chunk), np.int32)
+    start, num_valid = (np.zeros((self.shards * rows,), np.int32) for _ in range(2))
+    tables = np.full((self.shards * rows, self.max_pages), TRASH_PAGE, np.int32)
+    row_of = {id(p): s * rows + j for s, group in enumerate(per_shard)
+              for j, p in enumerate(group)}
     for prefix, n in zip(prefixes, counts):
-      r, first = prefix.shard, prefix.prefilled
+      r, first = row_of[id(prefix)], prefix.prefilled
       tokens[r, :n] = prefix.prompt[first:first + n]
       start[r], num_valid[r] = first, n
       tables[r] = prefix.seq.table_row(self.max_pages)
-    width = self._table_width(max(cdiv(s + n, self.page_size) for s, n in zip(start, num_valid)))
+    width = self._table_width(max(cdiv(a + n, self.page_size) for a, n in zip(start, num_valid)))
     operands = self.layout.put_rows((tokens, start, num_valid, tables[:, :width]))
     self.pool, logits = _prefill(self.params, self.pool, *operands, cfg=self.model_config,
                                  layout=self.layout)
+    finished = []
     for prefix, n in zip(prefixes, counts):
       prefix.prefilled += n
       if prefix.prefilled == len(prefix.prompt):
-        self._draw_first_tokens(prefix, logits)
+        finished.append(prefix)
+    if finished:
+      self._draw_first_tokens(finished, [row_of[id(p)] for p in finished], logits)
     return [p.done for p in prefixes]
 
-  def _draw_first_tokens(self, prefix: Prefix, logits) -> None:
-    k = len(prefix.sample_ids)
-    kp = _pow2_at_least(k)  # Padded to a power of two: few compiled shapes.
-    s = prefix.sampling
-    ids = np.zeros((kp,), np.int32)
-    ids[:k] = prefix.sample_ids
-    tok, lp = jax.device_get(_sample_first(
-        logits, np.int32(prefix.shard), np.full((kp,), prefix.seed, np.uint32), ids,
-        np.full((kp,), s.temperature, np.float32), np.full((kp,), s.top_k, np.int32),
-        np.full((kp,), s.top_p, np.float32), layout=self.layout))
-    prefix.first_tokens, prefix.first_logprobs = tok[:k], lp[:k]
-    prefix.first_version = self.version
+  def _draw_first_tokens(self, prefixes: list[Prefix], rows: list[int], logits) -> None:
+    """Every sample's first token for these prefixes (prefill rows `rows` of `logits`)."""
+    sizes = [len(p.sample_ids) for p in prefixes]
+    n = cdiv(sum(sizes), 8) * 8  # Padded to a multiple of 8: few compiled shapes.
+    operands = [np.zeros((n,), dt) for dt in (np.int32, np.uint32, np.int32, np.float32,
+                                                  np.int32, np.float32)]
+    at = 0
+    for prefix, row, k in zip(prefixes, rows, sizes):
+      sp = prefix.sampling
+      for a, value in zip(operands, (row, prefix.seed, prefix.sample_ids, sp.temperature,
+                                     sp.top_k, sp.top_p)):
+        a[at:at + k] = value
+      at += k
+    operands = self.layout.put_replicated(operands)
+    tok, lp = jax.device_get(_sample_first(logits, *operands, layout=self.layout))
+    at = 0
+    for prefix, k in zip(prefixes, sizes):
+      prefix.first_tokens, prefix.first_logprobs = tok[at:at + k], lp[at:at + k]
+      prefix.first_version = self.version
+      at += k
 
   # ------------------------------------------------------------------ insert
 
@@ -498,7 +558,9 @@ class Engine:
 
     With group_slots, every slot's block must be empty or already hold samples with this
     prompt's whole pages (ValueError otherwise): cascade attention reads one shared
-    prefix per block.
+    prefix per block. A prefix with a single sample shares nothing, so it shares no
+    pages with its block, and blocks of such samples take any other (greedy evaluation
+    fills every slot).
     """
     assert prefix.done and len(slots) <= prefix.remaining, (prefix.done, len(slots))
     assert all(self.shard_of(s) == prefix.shard for s in slots), (prefix.shard, slots)
@@ -515,7 +577,7 @@ class Engine:
         copies.append(pair)
       self._seqs[slot] = seq
       self._fill_slot(slot, prefix, i, seq)
-      self._join_block(slot, len(prefix.prompt) // self.page_size, seq)
+      self._join_block(slot, self._shared_pages(prefix), seq)
     if copies:
       self._copy(prefix.shard, copies)
 
@@ -545,11 +607,15 @@ class Engine:
   def _block_live(self, block: int) -> bool:
     return any(self._seqs[i] is not None for i in self._block_slots(block))
 
+  def _shared_pages(self, prefix: Prefix) -> int:
+    """Whole prompt pages the prefix's samples share with their block (0 for one sample)."""
+    return len(prefix.prompt) // self.page_size if len(prefix.sample_ids) > 1 else 0
+
   def _check_blocks(self, prefix: Prefix, slots: Sequence[int]) -> None:
     """Raises ValueError if a slot's block decodes samples with other shared pages."""
     if not self.config.group_slots:
       return
-    n = len(prefix.prompt) // self.page_size
+    n = self._shared_pages(prefix)
     for block in sorted({slot // self.config.group_slots for slot in slots}):
       same = (self._block_len[block] == n * self.page_size and
               self._block_table[block, :n].tolist() == prefix.seq.pages[:n])
@@ -581,48 +647,75 @@ class Engine:
     s.stop_ids[slot] = -1
     s.stop_ids[slot, :len(sp.stop_ids)] = sp.stop_ids
     self._final_len[slot] = p + sp.max_tokens - 1
+    self._dirty.add(slot)
 
   # ------------------------------------------------------------------ decode
 
   def generate(self) -> ResultTokens:
-    """Runs `decode_steps` decode steps for every active slot in one device call."""
+    """Runs `decode_steps` decode steps for every active slot in one device call.
+
+    The slot state stays on the devices: the host sends the rows it changed since the last
+    call and reads back only the new tokens, their logprobs and which slots are active.
+    """
     s, steps = self._slots, self.config.decode_steps
-    widest = 1
+    needed = self._grow_pages(steps)  # [B] pages each slot's next `steps` tokens need
+    self._push_dirty_rows()
+    if self.cascade:
+      shared, start = self._shared_operands()
+      width = self._table_width(max(int((needed - start).max()), 1))
+    else:
+      shared, width = None, self._table_width(max(int(needed.max()), 1))
+    self.pool, self._device_slots, tokens, logprobs, active = _decode_loop(
+        self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
+        steps=steps, layout=self.layout, width=width)
+    tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
+    produced = (tokens >= 0).sum(axis=1).astype(np.int32)  # A slot's tokens come first.
+    last = np.take_along_axis(tokens, np.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
+    s.tokens[:] = np.where(produced > 0, last, s.tokens)
+    s.lengths[:] += produced
+    s.num_generated[:] += produced
+    was_active = s.active.copy()
+    s.active[:] = active
+    return ResultTokens(tokens, logprobs, was_active & ~active, self.version)
+
+  def _grow_pages(self, steps: int) -> np.ndarray:
+    """Pages for each active slot's next `steps` tokens (taken from its reservation), and a
+    few more: growing ahead changes a slot's table row, which the devices then need, once
+    per several pages instead of once per call. Returns the pages needed now, per slot."""
+    s, ps = self._slots, self.page_size
+    needed = np.zeros((self.num_slots,), np.int64)
     for slot in np.flatnonzero(s.active):
       seq = self._seqs[slot]
-      seq.grow(int(min(s.lengths[slot] + steps, self._final_len[slot])))
-      s.page_table[slot, :len(seq.pages)] = seq.pages
-      widest = max(widest, len(seq.pages))
-    if self.cascade:
-      state, shared = self._cascade_operands()
-    else:
-      state, shared = s._replace(page_table=s.page_table[:, :self._table_width(widest)]), None
-    state, shared = self.layout.put_rows((state, shared))
-    self.pool, st, tokens, logprobs = _decode_loop(self.params, self.pool, state, shared,
-                                                   cfg=self.model_config, steps=steps,
-                                                   layout=self.layout)
-    st, tokens, logprobs = jax.device_get((st, tokens, logprobs))
-    was_active = s.active.copy()
-    for name in ("tokens", "lengths", "num_generated", "active"):
-      getattr(s, name)[:] = getattr(st, name)
-    return ResultTokens(tokens, logprobs, was_active & ~s.active, self.version)
+      final = int(self._final_len[slot])
+      needed[slot] = cdiv(int(min(s.lengths[slot] + steps, final)), ps)
+      if needed[slot] > len(seq.pages):
+        seq.grow(int(min(s.lengths[slot] + steps + 3 * ps, final)))
+        s.page_table[slot, :len(seq.pages)] = seq.pages
+        self._dirty.add(int(slot))
+    return needed
 
-  def _cascade_operands(self) -> tuple[SlotState, SharedPrefix]:
-    """The slot state with each row cut to its pages after its block's shared prefix, and
-    the blocks' shared pages; both tables narrowed like the plain one (_table_width)."""
-    s, ps = self._slots, self.page_size
-    start = np.repeat(self._block_len // ps, self.config.group_slots)  # [B] shared pages
-    cols = start[:, None] + np.arange(self.max_pages)[None, :]  # [B, M]
-    inside = cols < self.max_pages
-    own = np.take_along_axis(s.page_table, np.where(inside, cols, 0), axis=1)
-    own = np.where(inside, own, TRASH_PAGE).astype(np.int32)  # [B, M]
-    widest_own = max((len(self._seqs[i].pages) - start[i] for i in np.flatnonzero(s.active)),
-                     default=1)
+  def _push_dirty_rows(self) -> None:
+    """Sends the host's changed slot rows to the device state (one small scatter)."""
+    if not self._dirty:
+      return
+    slots = np.asarray(sorted(self._dirty), np.int32)
+    n = _pow2_at_least(len(slots))
+    index = np.full((n,), self.num_slots, np.int32)  # Out of range: dropped.
+    index[:len(slots)] = slots
+    rows = jax.tree.map(lambda a: a[np.minimum(index, self.num_slots - 1)], self._slots)
+    index, rows = self.layout.put_replicated((index, rows))
+    self._device_slots = _set_rows(self._device_slots, index, rows)
+    self._dirty.clear()
+
+  def _shared_operands(self) -> tuple[SharedPrefix, np.ndarray]:
+    """The blocks' shared prompt pages (table narrowed like the slots' ones) and, per slot,
+    how many of its pages they are."""
+    ps = self.page_size
     widest_shared = max(int(self._block_len.max()) // ps, 1)
-    state = s._replace(page_table=own[:, :self._table_width(widest_own)])
     shared = SharedPrefix(self._block_table[:, :self._table_width(widest_shared)],
                           self._block_len.copy())
-    return state, shared
+    start = np.repeat(self._block_len // ps, self.config.group_slots)  # [B]
+    return self.layout.put_rows(shared), start
 
   def attention_reads(self) -> tuple[int, int]:
     """KV pages (per layer, K or V, per KV head) the next decode step attends over.
@@ -659,6 +752,7 @@ class Engine:
     self._seqs[slot] = None
     self._slots.active[slot] = False
     self._slots.page_table[slot] = TRASH_PAGE
+    self._dirty.add(slot)
     if self.config.group_slots:
       block = slot // self.config.group_slots
       if not self._block_live(block):  # Its prompt pages may now be freed and reused.

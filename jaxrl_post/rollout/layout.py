@@ -99,6 +99,10 @@ class RolloutLayout:
     """
     return jax.tree.map(lambda x: _put(np.asarray(x), self.rows(np.ndim(x))), tree)
 
+  def put_replicated(self, tree):
+    """Host arrays -> global arrays every device of the mesh holds whole."""
+    return jax.tree.map(lambda x: _put(np.asarray(x), self.replicated), tree)
+
   def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
     """fn run per device on its shards (page ids in the tables are shard-local)."""
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,

@@ -4,9 +4,10 @@ Each `step` does, in order:
 
 1. admit: waiting requests become prefixes (their pages reserved) while there are more
    free slots than samples already on their way to one;
-2. prefill: prompt chunks, at most `prefill_tokens_per_step` tokens while any slot is
-   decoding (so a long prompt never stalls decoding for more than that), unbounded while
-   nothing decodes;
+2. prefill: prompt chunks of several prompts per device call (the engine's prefill_rows
+   per data shard), at most `prefill_tokens_per_step` tokens while any slot is decoding
+   (so a long prompt never stalls decoding for more than that), unbounded while nothing
+   decodes;
 3. insert: prefilled samples enter free slots (samples done at their first token skip);
 4. decode: one engine call of `decode_steps` steps over all slots; finished slots are freed
    at once, so the next step refills them.
@@ -22,18 +23,20 @@ insertion then count whole free blocks instead of free slots: a prefix takes a f
 and fills it with its samples; a prefix with more than K samples spreads over several whole
 blocks, still prefilled once and sharing its prompt pages across them; a prefix with fewer
 leaves the rest of its block idle until every sample in it finishes, when the block is free
-again (continuous batching at block granularity). Without blocks every slot is a block of
-one, which is plain continuous batching.
+again (continuous batching at block granularity). A request of one sample shares nothing,
+so its sample takes any free slot of a block that holds only such samples ("solo" blocks,
+opened from wholly free ones): greedy evaluation fills every slot. Without blocks every
+slot is a block of one, which is plain continuous batching.
 
 Data shards: on a rollout mesh the engine's slots and pages are split over D data shards
 (slots [s * B/D, (s + 1) * B/D) decode with shard s's pages). A prompt is admitted to one
 shard, the one with the most free blocks not yet promised, and its samples enter only that
-shard's blocks; one prefill call writes a chunk of the oldest prefilling prompt of every
+shard's blocks; one prefill call writes a chunk of the oldest prefilling prompts of every
 shard. With one shard this is exactly the single-device behaviour.
 
 The scheduler knows the engine only through its methods (new_prefix, prefill_batch,
 bulk_insert, skip, generate, free_resource, validate, max_group_size,
-max_concurrent_decodes, group_slots, shards).
+max_concurrent_decodes, group_slots, prefill_rows, shards).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class Scheduler:
     self.ready: collections.deque = collections.deque()  # (group, prefix), prefilled
     self.slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
     self.block_size = engine.group_slots or 1  # Slots a prompt's samples enter together.
+    self.solo_blocks: set[int] = set()  # Live blocks of one-sample prompts (see above).
     self.shards = engine.shards  # Data shards: a prompt's pages and slots share one.
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
@@ -181,23 +185,46 @@ class Scheduler:
         out[first // per_shard].append(collections.deque(block))
     return out
 
-  def _blocks_needed(self, samples: int) -> int:
-    return -(-samples // self.block_size)
+  def _leave_block(self, slot: int) -> None:
+    """An emptied solo block may hold any prompt again."""
+    block = slot // self.block_size
+    k = self.block_size
+    if all(self.slots[i] is None for i in range(block * k, (block + 1) * k)):
+      self.solo_blocks.discard(block)
+
+  def _solo_slots(self) -> list[collections.deque]:
+    """Per data shard, the free slots of live solo blocks, lowest first."""
+    k, per_shard = self.block_size, len(self.slots) // self.shards
+    out = [collections.deque() for _ in range(self.shards)]
+    for block in sorted(self.solo_blocks):
+      for i in range(block * k, (block + 1) * k):
+        if self.slots[i] is None:
+          out[i // per_shard].append(i)
+    return out
+
+  def _slots_needed(self, samples: int) -> int:
+    """Free slots a prefix of this many samples takes: whole blocks, or one if solo."""
+    if samples == 1 or self.block_size == 1:
+      return samples
+    return -(-samples // self.block_size) * self.block_size
 
   def _pending(self) -> list[int]:
-    """Per data shard, blocks that prefixes on their way to a slot will take."""
+    """Per data shard, slots that prefixes on their way to a slot will take."""
     pending = [0] * self.shards
     for _, p in (*self.prefilling, *self.ready):
-      pending[p.shard] += self._blocks_needed(p.remaining)
+      pending[p.shard] += self._slots_needed(p.remaining)
     return pending
 
   def _admit(self) -> None:
     """Waiting groups become prefixes (first come, first served) on the data shard with
-    the most free blocks not yet promised; a group whose pages no shard can promise waits."""
-    room = [len(f) - p for f, p in zip(self._free_blocks(), self._pending())]
+    the most free slots not yet promised; a group whose pages no shard can promise waits."""
+    free = [len(f) * self.block_size + len(o)
+            for f, o in zip(self._free_blocks(), self._solo_slots())]
+    room = [f - p for f, p in zip(free, self._pending())]
     while self.waiting:
       g = self.waiting[0]
-      order = sorted((s for s in range(self.shards) if room[s] > 0), key=lambda s: -room[s])
+      need = min(self._slots_needed(len(g.sample_ids)), self.block_size)
+      order = sorted((s for s in range(self.shards) if room[s] >= need), key=lambda s: -room[s])
       prefix = None
       for shard in order:
         prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids,
@@ -210,16 +237,17 @@ class Scheduler:
         return
       self.waiting.popleft()
       self.prefilling.append((g, prefix))
-      room[prefix.shard] -= self._blocks_needed(len(g.sample_ids))
+      room[prefix.shard] -= self._slots_needed(len(g.sample_ids))
 
   def _prefill(self) -> None:
-    """Prompt chunks, one device call for the oldest prefilling prompt of each data shard."""
+    """Prompt chunks: one device call for the oldest prefilling prompts of each data shard
+    (at most the engine's prefill_rows per shard)."""
     budget = self.config.prefill_tokens_per_step if self._busy() else float("inf")
     while self.prefilling and budget > 0:
-      batch, seen = [], set()
+      batch, taken = [], collections.Counter()
       for item in self.prefilling:
-        if item[1].shard not in seen:
-          seen.add(item[1].shard)
+        if taken[item[1].shard] < self.engine.prefill_rows:
+          taken[item[1].shard] += 1
           batch.append(item)
       before = sum(p.prefilled for _, p in batch)
       self.engine.prefill_batch([p for _, p in batch])
@@ -233,30 +261,51 @@ class Scheduler:
 
   def _insert(self) -> list[tuple[int, int, Completion]]:
     """Prefilled samples into free blocks of their data shard, in order; a block never
-    mixes two prompts."""
+    mixes two prompts, except solo blocks, which mix one-sample prompts."""
     finished = []
-    blocks = self._free_blocks()
+    blocks, solo = self._free_blocks(), self._solo_slots()
     for item in list(self.ready):
       g, prefix = item
-      free = blocks[prefix.shard]
-      batch = []
-      while prefix.remaining > len(batch) and free:
-        j = prefix.next_sample + len(batch)
-        if not prefix.finishes_at_first(j):
-          batch.append(free[0].popleft())
-          if not free[0]:
-            free.popleft()
-          continue
-        self._bulk_insert(g, prefix, batch)
-        batch = []
-        finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
-        self.engine.skip(prefix)
-      self._bulk_insert(g, prefix, batch)
-      if free and len(free[0]) < self.block_size:
-        free.popleft()  # This prompt's block: its free slots idle until it empties.
+      if len(g.sample_ids) == 1 and self.block_size > 1:
+        finished += self._insert_solo(g, prefix, blocks[prefix.shard], solo[prefix.shard])
+      else:
+        finished += self._insert_group(g, prefix, blocks[prefix.shard])
       if prefix.remaining == 0:
         self.ready.remove(item)
     return finished
+
+  def _insert_group(self, g: _Group, prefix, free: collections.deque) -> list:
+    finished, batch = [], []
+    while prefix.remaining > len(batch) and free:
+      j = prefix.next_sample + len(batch)
+      if not prefix.finishes_at_first(j):
+        batch.append(free[0].popleft())
+        if not free[0]:
+          free.popleft()
+        continue
+      self._bulk_insert(g, prefix, batch)
+      batch = []
+      finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
+      self.engine.skip(prefix)
+    self._bulk_insert(g, prefix, batch)
+    if free and len(free[0]) < self.block_size:
+      free.popleft()  # This prompt's block: its free slots idle until it empties.
+    return finished
+
+  def _insert_solo(self, g: _Group, prefix, free: collections.deque,
+                   solo: collections.deque) -> list:
+    """A one-sample prompt into a free slot of a solo block, opening one if none is left."""
+    if prefix.finishes_at_first(0):
+      done = self._first_only(g, prefix, 0).completion()
+      self.engine.skip(prefix)
+      return [(g.rid, g.sample_ids[0], done)]
+    if not solo and free:
+      block = free.popleft()
+      self.solo_blocks.add(block[0] // self.block_size)
+      solo.extend(block)
+    if solo:
+      self._bulk_insert(g, prefix, [solo.popleft()])
+    return []
 
   def _first_only(self, g: _Group, prefix, j: int) -> _Running:
     return _Running(g.rid, g.sample_ids[j], frozenset(g.sampling.stop_ids),
@@ -286,4 +335,5 @@ class Scheduler:
         finished.append((run.rid, run.sample, run.completion()))
         self.engine.free_resource(slot)
         self.slots[slot] = None
+        self._leave_block(slot)
     return finished

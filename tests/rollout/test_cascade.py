@@ -70,27 +70,50 @@ def test_sampled_tokens_and_behaviour_logprobs_equal_plain_decode():
   assert H.check_behaviour_logprobs(prompts, on, 0.9, top_k=30) == 3 * 3 * 20
 
 
-def test_a_group_waits_for_a_whole_free_block():
-  """A free slot in a busy block is never given to another prompt."""
-  rng = np.random.default_rng(2)
-  long, short, pair = H.prompts(rng, [6, 5, 10])
-  eng = H.engine(group_slots=2)
+def _record_inserts(eng) -> list:
   placed = []  # (prompt length, slots) of every bulk_insert, in order.
   insert = eng.bulk_insert
   eng.bulk_insert = lambda prefix, slots: (placed.append((len(prefix.prompt), list(slots))),
                                            insert(prefix, slots))[1]
+  return placed
+
+
+def test_a_group_waits_for_a_whole_free_block():
+  """A free slot in a busy block is never given to another prompt."""
+  rng = np.random.default_rng(2)
+  long, pair = H.prompts(rng, [6, 10])
+  eng = H.engine(group_slots=2)
+  placed = _record_inserts(eng)
   sched = Scheduler(eng)
-  sched.submit(long, SamplingParams(temperature=0.0, max_tokens=40), n=1, seed=0)
-  sched.submit(short, SamplingParams(temperature=0.0, max_tokens=2), n=1, seed=1)
+  sched.submit(long, SamplingParams(temperature=0.0, max_tokens=20), n=3, seed=0)
   sched.submit(pair, SamplingParams(temperature=0.0, max_tokens=8), n=2, seed=2)
-  sched.step()  # long -> block 0, short -> block 1, which it frees at its first decode.
-  assert len(sched.waiting) == 1  # pair found no whole free block: slot 1 is not one.
+  sched.step()  # long -> block 0 and slot 2 of block 1; slot 3 idles with it.
+  assert len(sched.waiting) == 1  # pair found no whole free block: slot 3 is not one.
   idle = []
   while not sched.idle:
     sched.step()
-    idle.append(sched.slots[1] is None)
-  assert placed == [(6, [0]), (5, [2]), (10, [2, 3])] and all(idle)
+    idle.append(sched.slots[3] is None)
+  assert placed == [(6, [0, 1, 2]), (10, [0, 1])] and all(idle)
   assert eng.pages_in_use == 0 and eng.alloc.refcount[1:].max() == 0
+
+
+def test_one_sample_prompts_fill_every_slot_of_a_block():
+  """Greedy evaluation (n=1) shares no prompt pages, so its prompts share blocks: all four
+  slots decode at once, and the tokens are the plain engine's."""
+  rng = np.random.default_rng(5)
+  prompts = H.prompts(rng, [3, 9, 5, 12, 7])
+  sampling = SamplingParams(temperature=0.0, max_tokens=12)
+  eng = H.engine(group_slots=2)
+  placed = _record_inserts(eng)
+  sched = Scheduler(eng)
+  for i, p in enumerate(prompts):
+    sched.submit(p, sampling, n=1, seed=i)
+  sched.step()
+  assert [slots for _, slots in placed] == [[0], [1], [2], [3]]
+  results = sched.run()
+  plain = generate(H.engine(), prompts, n=1, sampling=sampling)
+  assert [results[i][0].tokens for i in range(5)] == [out[0].tokens for out in plain]
+  assert eng.pages_in_use == 0 and not sched.solo_blocks
 
 
 def test_a_block_holds_one_prompt():

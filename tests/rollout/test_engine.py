@@ -1,5 +1,6 @@
 """The engine against the dense-cache reference decoder and a full forward."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -82,6 +83,33 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_calls():
   results = sched.run()
   ref = generate_dense(H.model(), [short, long], max_new_tokens=60)
   assert [list(r[0].tokens) for r in (results[0], results[1])] == ref.tokens
+
+
+def test_prompts_prefill_together_and_the_device_keeps_the_slot_state(monkeypatch):
+  """Eight prompts prefill in two calls of four rows (prefill_rows = 4), their samples'
+  first tokens come back in one fetch per call, and decoding reads back only new tokens:
+  no other device-to-host read anywhere (transfer guard), and the tokens are the dense
+  reference's."""
+  rng = np.random.default_rng(8)
+  prompts = H.prompts(rng, [3, 9, 5, 12, 7, 4, 16, 2])
+  greedy = SamplingParams(temperature=0.0, max_tokens=10)
+  generate(H.engine(prefill_rows=4, num_slots=8), prompts[:1], sampling=greedy)  # Compiles.
+  eng = H.engine(prefill_rows=4, num_slots=8)
+  fetches = []
+  get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: (fetches.append(1), get(x))[1])
+  sched = Scheduler(eng)
+  for i, p in enumerate(prompts):
+    sched.submit(p, greedy, n=1, seed=i)
+  with jax.transfer_guard_device_to_host("disallow"):
+    sched.step()
+    assert sched.stats["prefill_calls"] == 2 and sched.stats["prefill_chunks"] == 8
+    assert len(fetches) == 3  # First tokens of each prefill call, then one decode call.
+    results = sched.run()
+  assert len(fetches) == 3 + sched.stats["decode_calls"] - 1
+  ref = generate_dense(H.model(), prompts, max_new_tokens=10)
+  assert [list(results[i][0].tokens) for i in range(8)] == ref.tokens
+  assert eng.pages_in_use == 0
 
 
 def test_weight_swap_between_calls_stamps_versions():
