@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU check in one command: gpu-marked tests, greedy engine vs the dense decoder on the
+# device, and the kernel, rollout, sync, step, scale and generation benchmarks. Every
+# result lands in one dated JSON file (default docs/gpu_check_YYYY-MM-DD.json; or the
+# path in GPU_CHECK_OUT), with the device, date and versions; a failing part is recorded
+# with its output tail and the others still run.
+#
+# Uses .venv/bin/python when it exists, else PYTHON (default python3) with this checkout
+# on PYTHONPATH: a GPU host with jax[cuda] and the project's requirements needs no setup.
+# Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT_FILE=${GPU_CHECK_OUT:-docs/gpu_check_$(date +%F).json}
+PARTS=${PARTS:-"tests greedy kernels rollout sync step scale generate"}
+LIMIT=${PART_TIMEOUT_S:-900}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+part() {  # part NAME CMD...: runs CMD, keeps its last stdout line (the JSON) and its log.
+  local name=$1; shift
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  echo "== $name: $*" >&2
+  local start=$SECONDS
+  timeout "$LIMIT" "$@" >"$WORK/$name.out" 2>"$WORK/$name.log"
+  echo $? >"$WORK/$name.rc"
+  echo $((SECONDS - start)) >"$WORK/$name.s"
+  echo "   rc=$(cat "$WORK/$name.rc") in $(cat "$WORK/$name.s") s" >&2
+}
+
+part tests "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$WORK/junit.xml"
+part greedy "$PY" scripts/check_greedy.py --json ${GREEDY_ARGS:-}
+part kernels "$PY" scripts/bench_kernels.py --json
+part rollout "$PY" scripts/bench_rollout.py --json
+part sync "$PY" scripts/bench_sync.py --json
+part step "$PY" scripts/bench_step.py --json
+part scale "$PY" scripts/bench_scale.py --json
+part generate "$PY" scripts/bench_generate.py --json
+
+"$PY" - "$WORK" "$OUT_FILE" "$PARTS" <<'PYEOF'
+import datetime, json, os, sys
+import xml.etree.ElementTree as ET
+work, out_file, parts = sys.argv[1], sys.argv[2], sys.argv[3].split()
+report = {"date": datetime.date.today().isoformat(), "parts": {}}
+try:
+  import jax
+  report.update(jax=jax.__version__, backend=jax.default_backend(),
+                device=jax.devices()[0].device_kind, device_count=jax.device_count())
+except Exception as e:  # The report still says what ran.
+  report["jax_error"] = repr(e)
+for name in parts:
+  if not os.path.exists(os.path.join(work, name + ".rc")):
+    continue
+  read = lambda ext: open(os.path.join(work, name + ext)).read()
+  entry = {"rc": int(read(".rc")), "seconds": int(read(".s"))}
+  lines = [l for l in read(".out").splitlines() if l.strip()]
+  try:
+    entry["result"] = json.loads(lines[-1])
+  except (IndexError, json.JSONDecodeError):
+    entry["output_tail"] = "\n".join(lines[-20:])
+  if entry["rc"] != 0:
+    entry["log_tail"] = read(".log")[-4000:]
+  if name == "tests" and os.path.exists(os.path.join(work, "junit.xml")):
+    suite = ET.parse(os.path.join(work, "junit.xml")).getroot().iter("testsuite")
+    s = next(suite)
+    entry["result"] = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    entry["failed"] = [c.get("classname") + "::" + c.get("name") for c in s.iter("testcase")
+                       if c.find("failure") is not None or c.find("error") is not None]
+  report["parts"][name] = entry
+os.makedirs(os.path.dirname(out_file) or ".", exist_ok=True)
+with open(out_file, "w") as f:
+  json.dump(report, f, indent=1)
+failed = [n for n, e in report["parts"].items() if e["rc"] != 0]
+print(f"wrote {out_file}; failed parts: {', '.join(failed) or 'none'}")
+sys.exit(1 if failed else 0)
+PYEOF
