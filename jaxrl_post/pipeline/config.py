@@ -6,6 +6,10 @@ configs that are not bound explicitly are built through gin too, inside a scope 
 the field, so bindings reach every level and two fields of one type can be told apart:
 `trainer_mesh/MeshConfig.fsdp = 4` vs `rollout_mesh/MeshConfig.tensor = 2`.
 
+A class built in several places (MeshConfig, AdvantageConfig) takes only scoped bindings:
+an unscoped `AdvantageConfig.name = ...` would reach every place at once, so it is an error
+that names the places and their scopes.
+
 gin rejects unknown configurables and parameter names when the file is parsed; each class
 validates its values when built; `build_experiment` builds the whole tree at once, so every
 mistake surfaces before any work starts.
@@ -228,8 +232,36 @@ def parse(gin_files: list[str], bindings: list[str]) -> None:
     raise UserError(f"gin: cannot read config file: {e}") from e
 
 
+def places(root: Any = None, path: str = "Experiment") -> dict[str, list[str]]:
+  """Where each config class is built in the experiment tree: class name -> field paths
+  (the last part of each path is the gin scope that reaches it)."""
+  root = Experiment() if root is None else root
+  found: dict[str, list[str]] = {}
+  for field in dataclasses.fields(root):
+    value = getattr(root, field.name)
+    if type(value) in _NAMES:
+      found.setdefault(_NAMES[type(value)], []).append(f"{path}.{field.name}")
+      for name, where in places(value, f"{path}.{field.name}").items():
+        found.setdefault(name, []).extend(where)
+  return found
+
+
+def _check_unscoped_bindings() -> None:
+  """An unscoped binding of a class built in several places is ambiguous: one UserError."""
+  shared = {name: where for name, where in places().items() if len(where) > 1}
+  for (scope, selector), params in gin.config._CONFIG.items():  # gin keeps no public view.
+    name = selector.rsplit(".", 1)[-1]
+    if scope or name not in shared or not params:
+      continue
+    param = sorted(params)[0]
+    scoped = " or ".join(f"{w.rsplit('.', 1)[-1]}/{name}.{param}" for w in shared[name])
+    raise UserError(f"gin: unscoped binding {name}.{param} is ambiguous: {name} is built at "
+                    f"{' and '.join(shared[name])}; bind {scoped}")
+
+
 def build_experiment() -> Experiment:
   """The whole config tree, built (and validated) through the gin bindings."""
+  _check_unscoped_bindings()
   try:
     exp = CONFIGURABLES["Experiment"]()
   except UserError as e:

@@ -81,3 +81,26 @@ def test_every_shipped_config_parses_and_documents_its_command(name):
     config.build_experiment()
   except UserError as e:  # Only a missing local model/dataset file may stop it here.
     assert "no such file" in str(e), str(e)
+
+
+def test_an_unscoped_binding_of_a_class_built_twice_is_an_error_naming_both(capsys, tmp_path):
+  rc, err = _run_main(capsys, tmp_path, "AdvantageConfig.name = 'rloo'")
+  assert rc == 2 and err.count("\n") == 1, err
+  assert "Experiment.advantage and Experiment.trainer.gae" in err
+  assert "advantage/AdvantageConfig.name or gae/AdvantageConfig.name" in err
+  rc, err = _run_main(capsys, tmp_path, "MeshConfig.fsdp = 2")
+  assert rc == 2 and "trainer_mesh/MeshConfig.fsdp or rollout_mesh/MeshConfig.fsdp" in err
+
+
+def test_a_scoped_binding_reaches_only_its_place(tmp_path):
+  exp, _ = train.prepare([f"--gin_file={QUICKSTART}", f"--workdir={tmp_path}",
+                          "--gin_param=advantage/AdvantageConfig.name = 'rloo'",
+                          "--gin_param=gae/AdvantageConfig.gamma = 0.9"])
+  assert exp.advantage.name == "rloo" and exp.trainer.gae.name == "gae"
+  assert exp.trainer.gae.gamma == 0.9 and exp.advantage.gamma != 0.9
+
+
+def test_every_place_of_a_class_has_its_own_scope():
+  for name, where in config.places().items():
+    scopes = [w.rsplit(".", 1)[-1] for w in where]
+    assert len(set(scopes)) == len(scopes), (name, where)
