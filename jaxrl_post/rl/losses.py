@@ -34,6 +34,7 @@ from jaxrl_post.rl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 AGGREGATIONS = Registry("loss aggregation")
+DEFAULT_AGGREGATION = {"gspo": "seq-mean-token-mean"}  # Loss name -> its paper's aggregation.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,9 @@ class LossConfig:
       clip_low, e.g. 0.28 vs 0.2). GSPO uses far smaller bounds, e.g. 3e-4 / 4e-4.
     clip_c: dual-clip bound on the loss of negative-advantage tokens, > 1.
     aggregation: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or
-      "seq-mean-token-sum-norm".
+      "seq-mean-token-sum-norm"; None (the default) means the loss's own paper's:
+      "seq-mean-token-mean" for GSPO (a mean of per-sequence objectives), "token-mean"
+      for the others.
     norm_length: the fixed length that "seq-mean-token-sum-norm" divides by (usually the
       maximum response length); required by that mode only.
     kl_coef: weight of KL(policy || reference) in the loss (0: no term).
@@ -60,7 +63,7 @@ class LossConfig:
   clip_low: float = 0.2
   clip_high: float = 0.2
   clip_c: float = 3.0
-  aggregation: str = "token-mean"
+  aggregation: Optional[str] = None
   norm_length: Optional[int] = None
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
@@ -70,6 +73,8 @@ class LossConfig:
   def __post_init__(self):
     where = "loss config"
     POLICY_LOSSES.check(where, "name", self.name)
+    if self.aggregation is None:
+      object.__setattr__(self, "aggregation", DEFAULT_AGGREGATION.get(self.name, "token-mean"))
     AGGREGATIONS.check(where, "aggregation", self.aggregation)
     KL_ESTIMATORS.check(where, "kl_estimator", self.kl_estimator)
     if not 0.0 <= self.clip_low <= 1.0:

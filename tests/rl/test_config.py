@@ -61,6 +61,14 @@ def test_good_configs():
   hash(LossConfig())  # frozen and hashable: usable as a static jit argument
 
 
+def test_each_loss_defaults_to_its_papers_aggregation():
+  assert LossConfig("gspo").aggregation == "seq-mean-token-mean"  # GSPO: sequence mean.
+  assert LossConfig("ppo").aggregation == "token-mean"
+  assert LossConfig("cispo").aggregation == "token-mean"
+  assert LossConfig("gspo", aggregation="token-mean").aggregation == "token-mean"
+  assert LossConfig("gspo") == LossConfig("gspo", aggregation="seq-mean-token-mean")
+
+
 def test_registry_refuses_duplicates():
   registry = Registry("thing")
   registry.register("a")(len)
