@@ -5,6 +5,7 @@ device) must run unchanged on 1, 2 and 8 devices; 2 processes x 4 devices must w
 metrics 1 process x 8 devices writes, with only process 0 writing the run's files.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -97,3 +98,36 @@ def test_two_processes_write_the_metrics_of_one_process(tmp_path):
   assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
   assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "2"]
   _close(read_metrics(str(workdir / "metrics.jsonl")), _run(tmp_path / "single", 8))
+
+
+def _gsm8k_files(directory) -> None:
+  directory.mkdir()
+  for name, first in (("train.jsonl", 0), ("test.jsonl", 50)):
+    rows = [{"question": f"Tom has {a} apples and buys {a + 3} more. How many now?",
+             "answer": f"{a} + {a + 3} = {2 * a + 3}\n#### {2 * a + 3}"}
+            for a in range(first, first + 12)]
+    (directory / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.slow
+def test_hf_gsm8k_config_runs_unchanged_on_8_devices(tmp_path):
+  """The shipped GPU config, on a tiny HF model directory and GSM8K-format files: only
+  sizes are shrunk; placement, meshes and engine settings are the config's own."""
+  data = tmp_path / "gsm8k"
+  _gsm8k_files(data)
+  params = [f'MODEL_DIR = "{os.path.join(ROOT, "tests", "fixtures", "hf", "tiny_llama")}"',
+            f'DATA_DIR = "{data}"', "Experiment.steps = 2", "RolloutSpec.prompts_per_step = 4",
+            "RolloutSpec.group_size = 4", "RolloutSpec.max_new_tokens = 16",
+            "PromptConfig.max_prompt_tokens = 160", "TrainerConfig.row_tokens = 256",
+            "TrainerConfig.minibatches = 2", "TrainerConfig.micro_batches = 2",
+            "EngineConfig.num_slots = 16", "EngineConfig.prefill_chunk = 64",
+            "EvalSpec.num_problems = 8", "CheckpointConfig.every_n_steps = 1",
+            "LogSpec.progress = False"]
+  cmd = [sys.executable, "-m", "jaxrl_post.train",
+         f"--gin_file={os.path.join(ROOT, 'configs', 'hf_gsm8k_grpo.gin')}",
+         f"--workdir={tmp_path / 'run'}"] + [f"--gin_param={p}" for p in params]
+  done = subprocess.run(cmd, env=_env(8), capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+  assert [r["step"] for r in records] == [0, 1, 2]
+  assert records[-1]["weight_version"] == 2
