@@ -2,6 +2,8 @@
 
   --model NAME_OR_PATH   embedded name (default smollm2-135m-instruct), GGUF file or
                          Hugging Face directory
+  --checkpoint WORKDIR   a training run's policy instead (its newest checkpoint, or --step N);
+                         LoRA adapters are merged, the tokenizer is the run's
   --chat                 wrap the prompt as a user turn in the model's chat template
   --temperature 0        greedy decoding
   --json                 print exactly one JSON object:
@@ -25,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m jaxrl_post.generate",
                               description="Generate text from a language model.")
   p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, GGUF file or HF dir")
+  p.add_argument("--checkpoint", default=None, metavar="WORKDIR",
+                 help="generate from a training run's checkpoint (overrides --model)")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   p.add_argument("--prompt", required=True, help="prompt text")
   p.add_argument("--chat", action="store_true", help="apply the model's chat template")
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -50,16 +55,29 @@ def _engine_for(model, prompt_len: int, max_new_tokens: int, num_stop_ids: int):
   return Engine.from_model(model, config)
 
 
+def _load(args: argparse.Namespace, dtype: str):
+  """(model, tokenizer) from --checkpoint (a run directory) or --model."""
+  from jaxrl_post import models
+
+  if args.checkpoint is None:
+    if args.step is not None:
+      raise UserError("--step needs --checkpoint WORKDIR")
+    return models.load(args.model, compute_dtype=dtype)
+  from jaxrl_post.pipeline.trained import load_trained
+
+  policy = load_trained(args.checkpoint, args.step)
+  return policy.model(compute_dtype=dtype), policy.tokenizer
+
+
 def run(args: argparse.Namespace) -> dict:
   import jax
 
-  from jaxrl_post import models
   from jaxrl_post.rollout import Request, SamplingParams, generate
 
   dtype = args.dtype
   if dtype == "auto":
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  model, tok = models.load(args.model, compute_dtype=dtype)
+  model, tok = _load(args, dtype)
   if args.chat:
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
   else:

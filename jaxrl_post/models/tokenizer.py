@@ -45,6 +45,13 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
+  def token_to_id(self, token: str) -> Optional[int]:
+    return self._tok.token_to_id(token)
+
+  def to_json(self) -> str:
+    """The whole tokenizer as tokenizer.json text (what exports write)."""
+    return self._tok.to_str()
+
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
