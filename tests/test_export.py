@@ -243,3 +243,19 @@ def test_gguf_model_exported_and_loaded_back_gives_the_same_greedy_tokens(tmp_pa
   got = generate_dense(back, prompts, max_new_tokens=16, temperature=0.0, stop_ids=())
   assert got.tokens == want.tokens
 
+
+# ------------------------------------------------------------------ evaluate
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_evaluate_on_its_own_gives_the_runs_eval_metrics(run_dir, step, capsys):
+  from jaxrl_post import evaluate
+
+  capsys.readouterr()
+  assert evaluate.main([f"--gin_file={run_dir}/config.gin", "--checkpoint", run_dir,
+                        "--step", str(step), "--json"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    logged = [json.loads(line) for line in f]
+  want = next(r for r in logged if r["step"] == step)
+  assert got == {k: v for k, v in want.items() if k.startswith("eval/")}

@@ -1,0 +1,108 @@
+"""Held-out evaluation on its own: python -m jaxrl_post.evaluate --gin_file=configs/X.gin.
+
+  --gin_file, --gin_param   the run's config (task, eval size, prompts, engine, placement)
+  --checkpoint WORKDIR      evaluate a run's checkpoint (newest, or --step N)
+  --model NAME_OR_PATH      or a model: embedded name, GGUF file, Hugging Face directory
+                            (default: the config's ModelSpec, as a run starts from it)
+  --json                    print the metrics as one JSON object
+
+The evaluation is the run's own: the same held-out problems, prompt encoding, greedy decode
+on the rollout engine over the rollout mesh in SyncConfig.rollout_dtype, and verifier, so
+the accuracy equals the eval/accuracy a run logs for the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from jaxrl_post.errors import UserError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m jaxrl_post.evaluate",
+                              description="Held-out greedy accuracy of a policy.")
+  p.add_argument("--gin_file", action="append", default=[], help="gin config file")
+  p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
+  p.add_argument("--checkpoint", default=None, metavar="WORKDIR", help="a run's checkpoint")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+  p.add_argument("--model", default=None, help="embedded name, GGUF file or HF directory")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  return p.parse_args(argv)
+
+
+def _policy(args, exp):
+  """(model config, full params, tokenizer) of what is evaluated."""
+  from jaxrl_post.pipeline.policy import load_policy
+  from jaxrl_post.pipeline.trained import load_trained
+
+  if args.checkpoint and args.model:
+    raise UserError("--checkpoint and --model: give one of them")
+  if args.checkpoint:
+    policy = load_trained(args.checkpoint, args.step)
+    # Adapters stay separate, as in the run's engine, so the decode is the run's exactly.
+    return policy.config, policy.params, policy.tokenizer
+  if args.step is not None:
+    raise UserError("--step needs --checkpoint WORKDIR")
+  spec = exp.model if args.model is None else dataclasses.replace(
+      exp.model, source=args.model, tokenizer="", lora=None)
+  return load_policy(spec)
+
+
+def evaluate(exp, cfg, params, tokenizer) -> dict:
+  """The run's held-out evaluation (RLRun.evaluate) on these weights."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxrl_post.models.transformer import abstract_model, logical_axes
+  from jaxrl_post.pipeline import rollouts
+  from jaxrl_post.rollout import Engine
+  from jaxrl_post.sharding import WeightSync, build_meshes
+
+  meshes = build_meshes(exp.placement)
+  full = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(cfg.param_dtype)), params)
+  sync = WeightSync(meshes, logical_axes(abstract_model(cfg)), full, exp.sync)
+  rollout = sync.initial(full)
+  engine_cfg = exp.rollout.engine
+  if engine_cfg.max_seq_len is None:
+    longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+    engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=longest)
+  engine = Engine(cfg, rollout.params, engine_cfg, version=0, mesh=meshes.rollout)
+  split = exp.task.split("eval")
+  if len(split) == 0:
+    raise UserError("the task's eval split is empty")
+  problems = [split[i] for i in range(min(exp.eval.num_problems, len(split)))]
+  return rollouts.evaluate(engine, tokenizer, exp.task, problems, exp.prompts,
+                           exp.rollout.max_new_tokens, exp.rollout.scheduler)
+
+
+def run(args) -> dict:
+  from jaxrl_post.pipeline import config
+
+  if not args.gin_file:
+    raise UserError("no config: pass --gin_file=configs/<name>.gin")
+  config.parse(args.gin_file, args.gin_param)
+  exp = config.build_experiment()
+  cfg, params, tokenizer = _policy(args, exp)
+  return evaluate(exp, cfg, params, tokenizer)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:
+    metrics = run(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(metrics))
+  else:
+    print(f"held-out accuracy: {metrics['eval/accuracy']:.3f} "
+          f"({metrics['eval/problems']} problems, {metrics['eval/skipped']} skipped)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
