@@ -356,7 +356,8 @@ class Engine:
     self.page_size = config.pool.page_size
     kv_shards = self.layout.mesh.shape["tensor"] if self.layout.kv_axis else 1
     num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype,
-                                  self.layout.local_device, kv_shards=kv_shards)
+                                  self.layout.local_device, kv_shards=kv_shards,
+                                  data_shards=self.shards)
     self.pool = _zeros_pool(model_config, self.shards * num_pages, self.page_size,
                             self.kv_dtype, self.layout)
     self.allocs = [PageAllocator(num_pages) for _ in range(self.shards)]

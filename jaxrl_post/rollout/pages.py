@@ -40,7 +40,8 @@ class PoolConfig:
     num_pages: an explicit page count (page 0, the write sink, included).
     memory_bytes: a budget in bytes for K and V together.
     memory_fraction: a share of the device memory still free, from device.memory_stats().
-    fallback_bytes: the budget where a backend reports no memory stats (the CPU).
+    fallback_bytes: the whole pool's budget where a backend reports no memory stats (the
+      CPU, whose devices share the host's memory).
   """
 
   page_size: int = 16
@@ -74,17 +75,24 @@ def free_device_bytes(device) -> int | None:
 
 
 def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None,
-                      kv_shards: int = 1) -> int:
-  """The page count a PoolConfig asks for on `device` (default: the first device).
+                      kv_shards: int = 1, data_shards: int = 1) -> int:
+  """The page count, per data shard, a PoolConfig asks for on `device` (default: the first
+  device).
 
   kv_shards: how many devices split the KV heads, so a device holds 1/kv_shards of a page.
+  data_shards: how many data shards each hold that many pages. A backend without memory
+    stats (the CPU) has one memory for all its devices, so its fallback budget is for the
+    whole pool and is split between the shards.
   """
   if pool.num_pages is not None:
     return pool.num_pages
   budget = pool.memory_bytes
   if budget is None:
     free = free_device_bytes(device or jax.devices()[0])
-    budget = pool.fallback_bytes if free is None else int(pool.memory_fraction * free)
+    if free is None:
+      budget = pool.fallback_bytes // (data_shards * kv_shards)
+    else:
+      budget = int(pool.memory_fraction * free)
   n = budget * kv_shards // page_bytes(cfg, pool.page_size, dtype)
   if n < 2:
     raise UserError(f"pool config: a budget of {budget} bytes holds {n} KV pages of "

@@ -31,6 +31,9 @@ def test_pool_size_from_pages_bytes_or_device_memory():
   cpu = _FakeDevice(None)
   assert resolve_num_pages(PoolConfig(fallback_bytes=per_page * 3), H.CFG, "bfloat16",
                            device=cpu) == 3
+  # The CPU's devices share one memory: the fallback is the whole pool's, over every shard.
+  assert resolve_num_pages(PoolConfig(fallback_bytes=per_page * 24), H.CFG, "bfloat16",
+                           device=cpu, kv_shards=2, data_shards=4) == 6
   with pytest.raises(UserError, match="at least 2"):
     resolve_num_pages(PoolConfig(memory_bytes=per_page), H.CFG, "bfloat16")
 
