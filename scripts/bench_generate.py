@@ -1,0 +1,425 @@
+"""Generation on the rollout engine against transformers' `generate`, same job, same run.
+
+  python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
+      [--peer_python PATH | --no_peer] [--peer_batch 50]
+      [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
+      [--prefill_tokens_per_step N]
+
+The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
+prompts (user turns put through the model's own chat template), greedy, at most new_tokens
+new tokens, stopping at EOS. Both sides get the same prompt token ids.
+
+* ours: `jaxrl_post.rollout.generate` on one engine (continuous batching, paged KV), on
+  jax's first device. The job runs twice on one engine and the second run is timed: the
+  first compiles every shape the job meets (prefill row counts, chunk and page-table
+  widths depend on how the scheduler happens to batch, so a smaller warm-up job misses
+  some); compiles_in_timed_run says none was left. Prefill and decode time are the
+  engine's prefill and decode calls, each waited on; the rest of the wall time
+  (other_s) is the scheduler on the host.
+* transformers (the peer): `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in
+  float32 on the same GGUF, left-padded batches of peer_batch prompts, `generate` with
+  do_sample=False, torch threads = cores, one untimed warm-up batch. Prefill time is each
+  batch's first forward (until its first new token), decode the rest.
+
+It runs when torch and transformers import here, or in another interpreter given with
+--peer_python (this file again, in a mode that imports only numpy, torch and
+transformers), so neither becomes a dependency of the project. See docs/BENCHMARKS.md
+for how the peer's environment is made.
+
+Token counts: prefill_tokens are the prompts' real tokens (no padding); generated_tokens
+are the completions' tokens up to and including EOS; decode_tokens leave out each
+completion's first token, which the prefill produces. wall_ratio is ours / transformers;
+greedy_agreement is the share of prompts whose completions are identical on both sides
+(both compute in float32, so only near-ties in the logits may differ). cpu_s is the
+process's CPU time over the timed job: with cpu_s / wall_s well under the core count, other
+work on the host took cores from the run.
+
+On the CPU only the ratio measured in one run means anything: the host is shared, and
+absolute times say nothing about accelerators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODEL = "smollm2-135m-instruct"
+PAGE_SIZE = 16
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_TOPICS = ("the sea", "a cat", "autumn leaves", "coffee", "the moon", "a library", "rain",
+           "mountains", "a train journey", "fresh bread", "friendship", "the desert",
+           "honey bees", "a lighthouse", "winter", "music", "a vegetable garden",
+           "a city at night", "snow", "an old map")
+_INSTRUCTIONS = ("Write one sentence about {}.", "Give three words that describe {}.",
+                 "Write a haiku about {}.", "Explain {} to a child in one sentence.",
+                 "Tell me one fact about {}.")
+_ARITHMETIC = "What is {a} {op} {b}? Answer with just the number."
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.add_argument("--prompts", type=int, default=300, help="distinct chat prompts")
+  p.add_argument("--new_tokens", type=int, default=24, help="most new tokens per prompt")
+  p.add_argument("--peer_batch", type=int, default=50, help="transformers' batch size")
+  p.add_argument("--peer_python", help="interpreter with torch and transformers for the peer")
+  p.add_argument("--no_peer", action="store_true", help="time our side only")
+  p.add_argument("--num_slots", type=int, default=96, help="engine decode slots")
+  p.add_argument("--decode_steps", type=int, default=8, help="decode steps per engine call")
+  p.add_argument("--prefill_chunk", type=int, default=128, help="most tokens per prefill row")
+  p.add_argument("--prefill_rows", type=int, default=16,
+                 help="prompts per prefill call (where the engine has the setting)")
+  p.add_argument("--prefill_tokens_per_step", type=int, default=2048,
+                 help="prompt tokens prefilled between two decode calls")
+  p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
+  args = p.parse_args(argv)
+  for name in ("prompts", "new_tokens", "peer_batch", "num_slots", "decode_steps",
+               "prefill_chunk", "prefill_rows", "prefill_tokens_per_step"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1")
+  return args
+
+
+# ---------------------------------------------------------------------- the job
+
+
+def chat_prompts(n: int) -> list[str]:
+  """n distinct user turns: two arithmetic questions to one short instruction, interleaved,
+  so any leading subset mixes short-answer and free-text completions."""
+  instructions = [i.format(t) for t in _TOPICS for i in _INSTRUCTIONS]
+  rng = np.random.default_rng(0)
+  seen, out = set(instructions), []
+  while len(out) < n:
+    if len(out) % 3 == 2 and instructions:
+      out.append(instructions.pop(0))
+      continue
+    a, b = (int(x) for x in rng.integers(0, 1000, size=2))
+    text = _ARITHMETIC.format(a=a, op="+-*"[int(rng.integers(0, 3))], b=b)
+    if text not in seen:
+      seen.add(text)
+      out.append(text)
+  return out
+
+
+def completion_lists(outputs) -> list[list[int]]:
+  return [list(samples[0].tokens) for samples in outputs]
+
+
+def trim_at_stop(row, stop_ids, limit: int) -> list[int]:
+  """A completion as generated: up to and including its first stop id, at most limit."""
+  out = []
+  for t in list(row)[:limit]:
+    out.append(int(t))
+    if int(t) in stop_ids:
+      break
+  return out
+
+
+def rates(wall: float, prefill_s: float, decode_s: float, prefill_tokens: int,
+          completions: list[list[int]]) -> dict:
+  """One side's figures, counted the same way for both (see the module docstring)."""
+  generated = sum(len(c) for c in completions)
+  decode_tokens = generated - sum(1 for c in completions if c)
+  per_s = lambda n, s: round(n / s, 1) if s > 0 else None
+  return {"wall_s": round(wall, 3), "prefill_s": round(prefill_s, 3),
+          "decode_s": round(decode_s, 3),
+          "other_s": round(max(wall - prefill_s - decode_s, 0.0), 3),
+          "prefill_tokens": prefill_tokens,
+          "prefill_tokens_per_s": per_s(prefill_tokens, prefill_s),
+          "decode_tokens": decode_tokens, "decode_tokens_per_s": per_s(decode_tokens, decode_s),
+          "generated_tokens": generated, "generated_tokens_per_s": per_s(generated, wall)}
+
+
+# ---------------------------------------------------------------------- ours
+
+
+class PhaseClock:
+  """Seconds spent in the engine's prefill and decode calls, each waited on to the end.
+
+  It wraps the engine instance's own methods, so the scheduler and engine run unchanged;
+  the wait after a prefill call costs nothing where the engine already read its first
+  tokens back (it then needed the result anyway).
+  """
+
+  def __init__(self, engine):
+    import jax
+    self.seconds = {"prefill": 0.0, "decode": 0.0}
+    self.calls = {"prefill": 0, "decode": 0}
+    self._wrap(engine, "prefill_batch", "prefill",
+               lambda: jax.block_until_ready(getattr(engine, "pool", None)))
+    self._wrap(engine, "generate", "decode", lambda: None)
+
+  def _wrap(self, engine, method: str, phase: str, wait) -> None:
+    inner = getattr(engine, method)
+
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      out = inner(*args, **kwargs)
+      wait()
+      self.seconds[phase] += time.perf_counter() - start
+      self.calls[phase] += 1
+      return out
+
+    setattr(engine, method, timed)
+
+  def reset(self) -> None:
+    self.seconds = dict.fromkeys(self.seconds, 0.0)
+    self.calls = dict.fromkeys(self.calls, 0)
+
+
+class CompileCounter:
+  """Counts XLA compilations, to show the timed job compiled nothing."""
+
+  def __init__(self):
+    import jax
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration: float, **_) -> None:
+    if event == COMPILE_EVENT:
+      self.count += 1
+
+
+def engine_config(args, prompt_lens: list[int]):
+  """The engine for this job: tables and pool sized to its longest sequence, so attention
+  gathers only the pages a sequence can have and the pool holds every slot at once."""
+  import dataclasses
+
+  from jaxrl_post.rollout import EngineConfig, PoolConfig
+  from jaxrl_post.rollout.pages import cdiv
+
+  longest = max(prompt_lens) + args.new_tokens
+  pages = cdiv(longest, PAGE_SIZE)
+  knobs = dict(num_slots=args.num_slots, decode_steps=args.decode_steps,
+               prefill_chunk=args.prefill_chunk, max_seq_len=pages * PAGE_SIZE,
+               min_table_pages=1,
+               pool=PoolConfig(page_size=PAGE_SIZE, num_pages=(args.num_slots + 1) * pages + 1))
+  if "prefill_rows" in {f.name for f in dataclasses.fields(EngineConfig)}:
+    knobs["prefill_rows"] = args.prefill_rows
+  return EngineConfig(**knobs)
+
+
+def run_ours(model, prompts: list[list[int]], stop_ids, args) -> tuple[dict, list[list[int]]]:
+  from jaxrl_post.rollout import Engine, SamplingParams, SchedulerConfig, generate
+
+  config = engine_config(args, [len(p) for p in prompts])
+  engine = Engine.from_model(model, config)
+  clock, compiles = PhaseClock(engine), CompileCounter()
+  sampling = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
+                            stop_ids=tuple(stop_ids))
+  sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step)
+  start = time.perf_counter()
+  generate(engine, prompts, sampling=sampling, scheduler=sched)  # Compiles every shape.
+  warmup_s = time.perf_counter() - start
+  clock.reset()
+  compiled_before = compiles.count
+  start, cpu_start = time.perf_counter(), time.process_time()
+  outputs = generate(engine, prompts, sampling=sampling, scheduler=sched)
+  wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+  completions = completion_lists(outputs)
+  figures = rates(wall, clock.seconds["prefill"], clock.seconds["decode"],
+                  sum(len(p) for p in prompts), completions)
+  figures.update(cpu_s=round(cpu, 1), prefill_calls=clock.calls["prefill"],
+                 decode_calls=clock.calls["decode"],
+                 compiles_in_timed_run=compiles.count - compiled_before,
+                 warmup_s=round(warmup_s, 1),
+                 engine={k: getattr(config, k) for k in
+                         ("num_slots", "decode_steps", "prefill_chunk", "max_seq_len",
+                          "prefill_rows") if hasattr(config, k)},
+                 prefill_tokens_per_step=args.prefill_tokens_per_step)
+  return figures, completions
+
+
+# ---------------------------------------------------------------------- transformers
+
+
+def peer_job(spec: dict) -> dict:
+  """The job through transformers' generate. Imports only numpy, torch and transformers:
+  it also runs in an interpreter without jax (see --peer_python)."""
+  import torch
+  import transformers
+  from transformers.generation.streamers import BaseStreamer
+
+  transformers.logging.set_verbosity_error()
+  torch.set_num_threads(spec["threads"])
+  folder, name = os.path.split(spec["gguf"])
+  dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, gguf_file=name, **{dtype_kw: torch.float32})
+  model.eval()
+  eos, new_tokens, prompts = spec["eos_id"], spec["new_tokens"], spec["prompts"]
+  stop_ids = set(spec["stop_ids"])
+
+  class FirstToken(BaseStreamer):
+    """Notes when generate hands out its first new tokens (the prefill's end)."""
+
+    def __init__(self):
+      self.puts, self.first = 0, None
+
+    def put(self, value):
+      self.puts += 1
+      if self.puts == 2:  # The first put is the prompt itself.
+        self.first = time.perf_counter()
+
+    def end(self):
+      pass
+
+  def run_batch(batch):
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), eos, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, p in enumerate(batch):  # Left padding: every row's last token is its prompt's.
+      ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+      mask[r, width - len(p):] = 1
+    clock = FirstToken()
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos,
+                         streamer=clock)
+    end = time.perf_counter()
+    rows = [trim_at_stop(r, stop_ids, new_tokens) for r in out[:, width:].tolist()]
+    return rows, clock.first - start, end - clock.first
+
+  batches = [prompts[i:i + spec["batch"]] for i in range(0, len(prompts), spec["batch"])]
+  with torch.inference_mode():
+    run_batch(batches[0])  # Warm-up: first-call allocations and kernel selection.
+    completions, prefill_s, decode_s = [], 0.0, 0.0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for batch in batches:
+      rows, p, d = run_batch(batch)
+      completions += rows
+      prefill_s, decode_s = prefill_s + p, decode_s + d
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+  figures = rates(wall, prefill_s, decode_s, sum(len(p) for p in prompts), completions)
+  figures.update(cpu_s=round(cpu, 1), batch=spec["batch"], threads=spec["threads"],
+                 versions={"torch": torch.__version__,
+                           "transformers": transformers.__version__},
+                 completions=completions)
+  return figures
+
+
+def torch_here() -> bool:
+  import importlib.util
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def run_peer(spec: dict, peer_python: str | None) -> dict | None:
+  """The peer's figures: in another interpreter if one is given, else here if it can
+  import torch and transformers, else None."""
+  if peer_python is None:
+    return peer_job(spec) if torch_here() else None
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(spec, f)
+  try:
+    proc = subprocess.run([peer_python, os.path.abspath(__file__), "--_peer", f.name],
+                          capture_output=True, text=True)
+  finally:
+    os.unlink(f.name)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the transformers run in {peer_python} failed:\n{proc.stderr[-4000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- report
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+  same = sum(a == b for a, b in zip(ours, theirs))
+  return round(same / len(ours), 4)
+
+
+def cores() -> int:
+  """CPU cores this process may run on (the peer's torch threads)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def device_line() -> str:
+  import jax
+  d = jax.devices()[0]
+  cpu = platform.processor() or platform.machine()
+  return (f"{jax.default_backend()} ({d.device_kind}; {jax.device_count()} device(s) seen, "
+          f"one used), host {cpu} with {cores()} cores")
+
+
+def print_human(result: dict) -> None:
+  job = result["job"]
+  print(f"job: {job['prompts']} chat prompts ({job['prompt_tokens']['min']}-"
+        f"{job['prompt_tokens']['max']} tokens), greedy, <= {job['new_tokens']} new tokens, "
+        f"stop at EOS, float32; {result['device']}")
+  for name in ("ours", "transformers"):
+    r = result[name]
+    if r is None:
+      print(f"{name}: not run (--no_peer, or no torch and transformers here and no "
+            f"--peer_python)")
+      continue
+    print(f"{name}: wall {r['wall_s']:.2f} s | prefill {r['prefill_tokens']} tok in "
+          f"{r['prefill_s']:.2f} s = {r['prefill_tokens_per_s']} tok/s | decode "
+          f"{r['decode_tokens']} tok in {r['decode_s']:.2f} s = {r['decode_tokens_per_s']} "
+          f"tok/s | other {r['other_s']:.2f} s | cpu {r['cpu_s']} s")
+  if result["wall_ratio"] is not None:
+    print(f"wall_ratio (ours / transformers): {result['wall_ratio']} "
+          f"(target <= 0.5); greedy_agreement: {result['greedy_agreement']}")
+  if result["ours"]["compiles_in_timed_run"]:
+    print(f"warning: {result['ours']['compiles_in_timed_run']} compilation(s) in the timed run")
+
+
+def run(args) -> dict:
+  import jax
+
+  from jaxrl_post import models
+  from jaxrl_post.models.presets import embedded_path
+
+  model, tok = models.load(MODEL, param_dtype="float32", compute_dtype="float32")
+  texts = chat_prompts(args.prompts)
+  prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+  ours, our_completions = run_ours(model, prompts, tok.stop_ids, args)
+  del model
+  spec = {"gguf": embedded_path(MODEL), "prompts": prompts, "eos_id": tok.eos_id,
+          "stop_ids": list(tok.stop_ids), "new_tokens": args.new_tokens,
+          "batch": args.peer_batch, "threads": cores()}
+  peer = None if args.no_peer else run_peer(spec, args.peer_python)
+  lens = [len(p) for p in prompts]
+  result = {
+      "job": {"model": MODEL, "prompts": len(prompts), "new_tokens": args.new_tokens,
+              "greedy": True, "stop_ids": list(tok.stop_ids), "dtype": "float32",
+              "prompt_tokens": {"min": min(lens), "max": max(lens),
+                                "mean": round(float(np.mean(lens)), 1)}},
+      "ours": ours, "transformers": None, "wall_ratio": None, "greedy_agreement": None,
+      "device": device_line(),
+      "versions": {"jax": jax.__version__, "python": platform.python_version()},
+      "date": datetime.date.today().isoformat(),
+  }
+  if peer is not None:
+    theirs = peer.pop("completions")
+    result["versions"].update(peer.pop("versions"))
+    result.update(transformers=peer, wall_ratio=round(ours["wall_s"] / peer["wall_s"], 4),
+                  greedy_agreement=agreement(our_completions, theirs))
+  return result
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args._peer:  # Child mode: no jax here, only the peer's job.
+    with open(args._peer) as f:
+      print(json.dumps(peer_job(json.load(f))))
+    return 0
+  result = run(args)
+  if args.json:
+    print(json.dumps(result))
+  else:
+    print_human(result)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
