@@ -33,8 +33,8 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
-from jaxrl_post.rl.trainer import (StepBatch, Trainer, TrainerConfig, TrainState,
-                                   optimizer_state_shardings)
+from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerConfig,
+                                   TrainState, optimizer_state_shardings)
 from jaxrl_post.rollout.pages import page_bytes
 from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
                                  logical_to_spec, make_mesh, tree_shardings)
@@ -101,6 +101,8 @@ class TrainStepMemory:
     batch_bytes: one step's StepBatch.
     largest: the largest allocations of the step (empty unless asked for): what to
       shrink when the peak is too high.
+    reference_bytes: the frozen reference weights, an argument of the step (it computes
+      the reference logprobs) but resident for the whole run; 0 with LoRA.
   """
 
   compiled: CompiledMemory
@@ -109,6 +111,7 @@ class TrainStepMemory:
   opt_state_bytes: int
   batch_bytes: int
   largest: tuple[Allocation, ...] = ()
+  reference_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
@@ -224,60 +227,82 @@ def abstract_train_state(trainer: Trainer, mesh: Mesh) -> TrainState:
 
 
 def abstract_step_batch(mesh: Mesh, micro_batches: int, rows: int, row_tokens: int,
-                        sequences: int, completion_len: int,
+                        sequences: int, completion_len: int, head_positions: int,
                         rules=TRAINING_RULES) -> StepBatch:
-  """A StepBatch of [M, R, S] packed rows and [M, B, T] completions, rows and sequences
-  sharded over the rules' "batch" axes (data parallelism is a sharding). R and B should
-  be multiples of those axes' size, as the trainer packs them; otherwise the rules fall
-  back to fewer axes and the plan shows the imbalance."""
+  """A StepBatch of [M, R, S] packed rows, [M, B, T] completions and [M, N] LM-head
+  positions, sharded over the rules' "batch" axes (data parallelism is a sharding). R, B
+  and N should be multiples of those axes' size, as the trainer packs them; otherwise the
+  rules fall back to fewer axes and the plan shows the imbalance."""
   m = micro_batches
-  rows_shape, comp_shape = (m, rows, row_tokens), (m, sequences, completion_len)
-  names = ("", "batch", "")
-  row = lambda dtype: jax.ShapeDtypeStruct(rows_shape, dtype,
-                                           sharding=_spec(names, rows_shape, mesh, rules))
-  comp = lambda dtype: jax.ShapeDtypeStruct(comp_shape, dtype,
-                                            sharding=_spec(names, comp_shape, mesh, rules))
+
+  def array(shape, dtype):
+    names = ("", "batch") + ("",) * (len(shape) - 2)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_spec(names, shape, mesh, rules))
+
+  row = lambda dtype: array((m, rows, row_tokens), dtype)
+  comp = lambda dtype: array((m, sequences, completion_len), dtype)
   inputs = PackedInputs(tokens=row(jnp.int32), positions=row(jnp.int32),
                         segment_ids=row(jnp.int32), targets=row(jnp.int32),
-                        completion_index=comp(jnp.int32), completion_mask=comp(jnp.float32))
-  f32 = comp(jnp.float32)
-  return StepBatch(inputs=inputs, old_logprobs=f32, behaviour_logprobs=f32, ref_logprobs=f32,
-                   advantages=f32, old_values=f32, returns=f32)
+                        completion_mask=comp(jnp.float32),
+                        head_index=array((m, head_positions), jnp.int32),
+                        head_slot=comp(jnp.int32))
+  return StepBatch(inputs=inputs, behaviour_logprobs=comp(jnp.float32),
+                   sequence=array((m, sequences), jnp.int32))
+
+
+def head_positions_bound(sequences: int, completion_len: int, shards: int) -> int:
+  """LM-head positions of a planned micro-batch: every slot of its [B, T] completion
+  layout, split evenly over the row shards (the packer's per-shard buckets hold about
+  that many when the rows are balanced)."""
+  return shards * math.ceil(sequences * completion_len / shards)
 
 
 def _state_shardings(state: TrainState):
   return jax.tree.map(lambda x: x.sharding, state)
 
 
-def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch):
-  """The trainer's step, jitted as `Trainer.init_state` jits it, lowered on abstract
-  inputs. Kept alone so a change to how the trainer builds its step changes one place.
+def abstract_reference(trainer: Trainer, mesh: Mesh, dtype="float32") -> Optional[dict]:
+  """The frozen reference weights the step takes, in `dtype` (None with LoRA: the base)."""
+  if trainer.lora:
+    return None
+  model = trainer.model
+  shardings = trainer.param_shardings or tree_shardings(
+      logical_axes(model), params_of(model), TRAINING_RULES, mesh)
+  return _abstract(params_of(model), shardings, jnp.dtype(dtype))
+
+
+def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
+                     reference: Optional[dict] = None):
+  """The trainer's minibatch update (the first of a rollout batch, no later minibatches),
+  jitted as `Trainer.init_state` jits it, lowered on abstract inputs. Kept alone so a
+  change to how the trainer builds its step changes one place.
 
   It traces under the trainer's activation rules (the model's logical constraints keep
-  each device on its own rows) and passes a normaliser only to a step that takes one.
+  each device on its own rows).
   """
   rules = getattr(trainer, "rules", TRAINING_RULES)
 
-  @functools.wraps(trainer._train_step)
+  @functools.wraps(trainer._minibatch_update)
   def traced(*args, **kwargs):
     with activation_rules(rules, trainer.mesh):
-      return trainer._train_step(*args, **kwargs)
+      return trainer._minibatch_update(*args, **kwargs)
 
-  step = jax.jit(traced, donate_argnums=0, static_argnames=("on_policy",),
-                 out_shardings=(_state_shardings(state), None))
-  args = (state, batch)
-  if "normaliser" in inspect.signature(trainer._train_step).parameters:
-    replicated = NamedSharding(trainer.mesh, PartitionSpec())
-    args += (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),)
-  return step.lower(*args, on_policy=False)
+  step = jax.jit(traced, donate_argnums=0, out_shardings=(_state_shardings(state), None, None))
+  n = batch.sequence.shape[1] * batch.sequence.shape[0]
+  replicated = NamedSharding(trainer.mesh, PartitionSpec())
+  f32 = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated)
+  return step.lower(state, reference, batch, SequenceScores(f32, f32), None, ())
 
 
 def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = TrainerConfig(),
                       mesh: Optional[Mesh] = None, rows: int = 1,
                       row_tokens: Optional[int] = None, completion_len: int = 512,
                       micro_batches: int = 1, sequences: Optional[int] = None,
-                      largest: int = 0) -> TrainStepMemory:
+                      largest: int = 0, reference_dtype="float32") -> TrainStepMemory:
   """Compiles one optimizer step on abstract inputs and reads its per-device memory.
+
+  The step is the trainer's whole minibatch program: the reference forward included, with
+  the reference weights (`reference_dtype`) among its arguments.
 
   Args:
     model_cfg: the model (remat, dtypes and LoRA as configured).
@@ -290,20 +315,25 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
       holds one micro-batch's activations).
     sequences: B, trajectories per micro-batch; default: one per row.
     largest: also report this many of the step's largest allocations.
+    reference_dtype: the frozen reference's dtype (ReferenceSpec.dtype).
   """
   mesh = mesh or single_device_mesh()
   row_tokens = row_tokens or trainer_cfg.row_tokens
   trainer = Trainer(model_cfg, trainer_cfg, mesh=mesh)
   state = abstract_train_state(trainer, mesh)
-  batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences or rows,
-                              completion_len, getattr(trainer, "rules", TRAINING_RULES))
-  compiled, allocations = compile_with_allocations(lower_train_step(trainer, state, batch),
-                                                   largest)
+  sequences = sequences or rows
+  head = head_positions_bound(sequences, completion_len, trainer.batch_shards)
+  batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences,
+                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES))
+  reference = abstract_reference(trainer, mesh, reference_dtype)
+  compiled, allocations = compile_with_allocations(
+      lower_train_step(trainer, state, batch, reference), largest)
   return TrainStepMemory(compiled=compiled_memory(compiled),
                          params_bytes=device_bytes(state.params),
                          frozen_bytes=device_bytes(state.frozen),
                          opt_state_bytes=device_bytes(state.opt_state),
-                         batch_bytes=device_bytes(batch), largest=allocations)
+                         batch_bytes=device_bytes(batch), largest=allocations,
+                         reference_bytes=device_bytes(reference or {}))
 
 
 # ------------------------------------------------------------------------ weights
@@ -413,11 +443,13 @@ def pool_bytes_beside_train_step(free_bytes: int, step: TrainStepMemory,
                                  fraction: float) -> int:
   """The KV pool's budget on a device where the train state already lives.
 
-  The state (parameters, optimizer state, frozen base) is resident and counted in
-  `free_bytes` already; what the step adds on top of it while it runs (activations,
-  gradients, outputs not written in place, the batch) must stay free for the whole run.
+  The state (parameters, optimizer state, frozen base) and the reference weights are
+  resident and counted in `free_bytes` already; what the step adds on top of them while it
+  runs (activations, gradients, outputs not written in place, the batch) must stay free
+  for the whole run.
   """
-  resident = step.params_bytes + step.frozen_bytes + step.opt_state_bytes
+  resident = (step.params_bytes + step.frozen_bytes + step.opt_state_bytes +
+              step.reference_bytes)
   transient = max(step.peak_bytes - resident, 0)
   return int(fraction * max(free_bytes - transient, 0))
 

@@ -283,7 +283,7 @@ def compiled_shapes(steps: int, devices: int) -> dict[str, Any]:
           timer.stop()
     finally:
       run.close()
-  main_fns = ("_train_step", "_decode_loop", "_prefill", "_completion_logprobs")
+  main_fns = ("_minibatch_update", "_decode_loop", "_prefill", "sequence_advantages")
   by_function = dict(counter.by_function.most_common())
   return {"value": counter.total, "steps": steps, "devices": devices,
           "step_programs": {k: v for k, v in by_function.items()

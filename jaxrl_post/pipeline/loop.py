@@ -1,8 +1,9 @@
 """The synchronous on-policy RL loop, with checkpoints that lose nothing.
 
 One step: prompts (grain) -> rollout engine (K samples each) -> rewards (verifier threads)
--> advantages -> reference (and old-policy) logprobs -> trainer (minibatches) -> weight
-sync. Every role is timed; the rest of the step is reported as time/waiting.
+-> advantages -> packing -> trainer (one program per minibatch: reference logprobs, loss,
+update, metrics) -> weight sync. Every role is timed; the rest of the step is reported as
+time/waiting. The step's training metrics reach the host in one fetch.
 
 Resuming: a checkpoint holds the train state, the reference parameters, the prompt
 iterator's position, the weight version and the run's counters; every random draw is a
@@ -35,9 +36,10 @@ from jaxrl_post.pipeline.config import Experiment
 from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
 from jaxrl_post.rewards import score_batch
-from jaxrl_post.rl.advantages import compute_advantages
+from jaxrl_post.rl.advantages import sequence_advantages
 from jaxrl_post.rl.packing import bucket, completion_bucket
-from jaxrl_post.rl.trainer import (Trainer, prepare_step_batches, run_step_batches)
+from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_rollouts,
+                                   rollout_batch_metrics)
 from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
 from jaxrl_post.rollout.pages import free_device_bytes
 from jaxrl_post.sharding import WeightSync, build_meshes
@@ -143,10 +145,13 @@ class RLRun:
     if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
         or not self.meshes.colocated):
       return cfg
+    shards = self.trainer.batch_shards
     step = plan.train_step_memory(self.model_cfg, exp.trainer, self.meshes.trainer,
                                   rows=self._rows_bound(longest),
                                   completion_len=completion_bucket(exp.rollout.max_new_tokens),
-                                  micro_batches=exp.trainer.micro_batches)
+                                  micro_batches=exp.trainer.micro_batches,
+                                  sequences=shards * math.ceil(self._per_micro() / shards),
+                                  reference_dtype=exp.reference.dtype)
     budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
     self.log(f"kv pool: {budget / 1e9:.2f} GB per device beside a train step peaking at "
              f"{step.peak_bytes / 1e9:.2f} GB")
@@ -155,11 +160,15 @@ class RLRun:
   def _rows_bound(self, longest: int) -> int:
     """Packed rows of one micro-batch at worst: first-fit needs under twice the rows the
     tokens fill, and never more than one per trajectory; bucketed like the trainer's."""
-    exp = self.exp
-    per_micro = (exp.rollout.prompts_per_step * exp.rollout.group_size //
-                 (exp.trainer.minibatches * exp.trainer.micro_batches))
-    filled = math.ceil(per_micro * longest / exp.trainer.row_tokens)
+    per_micro = self._per_micro()
+    filled = math.ceil(per_micro * longest / self.exp.trainer.row_tokens)
     return bucket(min(per_micro, 2 * filled), self.trainer.batch_shards)
+
+  def _per_micro(self) -> int:
+    """Trajectories per micro-batch."""
+    exp = self.exp
+    return (exp.rollout.prompts_per_step * exp.rollout.group_size //
+            (exp.trainer.minibatches * exp.trainer.micro_batches))
 
   # ------------------------------------------------------------------ one step
 
@@ -175,20 +184,18 @@ class RLRun:
       rewards, stats = score_batch(self.task, [g.problem for g in groups for _ in range(k)],
                                    rollouts.completion_texts(self.tokenizer, groups))
     trajs, behaviour = rollouts.flatten(groups)
-    with timer.role("advantage"):
-      adv, _ = compute_advantages(rewards, np.ones((len(trajs), 1), np.float32), exp.advantage)
-      adv = np.asarray(adv)[:, 0]
-    with timer.role("reference"):
-      batches = jax.block_until_ready(prepare_step_batches(
-          self.trainer, self.state, trajs, behaviour, adv, rewards, self.ref))
-    with timer.role("train"):
-      self.state, history = run_step_batches(self.trainer, self.state, batches, rewards,
-                                             group_size=k)
+    with timer.role("advantage"):  # Group statistics of the whole batch, left on the device.
+      scores = SequenceScores(sequence_advantages(rewards, exp.advantage), rewards)
+    with timer.role("pack"):  # Each micro-batch packed once; one transfer to the devices.
+      batches = pack_rollouts(self.trainer, trajs, behaviour)
+    with timer.role("train"):  # Per minibatch one program: reference, loss, update, metrics.
+      self.state, history = self.trainer.update(self.state, batches, scores, self.ref)
+      history = fetch_metrics(history)  # The step's one wait for the devices.
     with timer.role("sync"):
       self._sync(step)
     metrics.update(_train_metrics(history), **stats.as_metrics())
-    metrics.update({"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
-                    "weight_version": self.rollout.version})
+    metrics.update(rollout_batch_metrics(rewards, k))
+    metrics.update({"reward/std": float(np.std(rewards)), "weight_version": self.rollout.version})
     return metrics
 
   def _sync(self, step: int) -> None:
@@ -228,8 +235,6 @@ def _train_metrics(history: list[dict]) -> dict[str, Any]:
     values = [h[name] for h in history]
     if isinstance(values[0], list):
       out[f"train/{name}"] = values[-1]
-    elif name in ("reward/mean", "groups/zero_variance_frac"):
-      out[name] = values[-1]
     else:
       out[f"train/{name}"] = float(np.mean(values))
   return out

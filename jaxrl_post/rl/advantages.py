@@ -21,6 +21,7 @@ floats is not always bit-equal to them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -114,6 +115,20 @@ def compute_advantages(rewards: jax.Array, mask: jax.Array, cfg: AdvantageConfig
   if est.per_token:
     return est.fn(rewards, values, mask, cfg)
   return est.fn(rewards, mask, cfg), to_tokens(rewards, mask)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def sequence_advantages(rewards: jax.Array, cfg: AdvantageConfig) -> jax.Array:  # [B] -> [B]
+  """One advantage per sequence from a sequence estimator, for a whole rollout batch.
+
+  One compiled program whose result stays on the device for the trainer's programs: the
+  loop calls it every step, where running the estimator's few ops one by one would cost
+  a dispatch each and fetching the result a host round trip.
+  """
+  est = ADVANTAGE_ESTIMATORS.get(cfg.name)
+  if est.per_token:
+    raise ValueError(f"advantage estimator {cfg.name!r} is per token (needs values)")
+  return est.fn(rewards, jnp.ones((rewards.shape[0], 1), F32), cfg)[:, 0]
 
 
 def _groups(rewards: jax.Array, group_size: int) -> jax.Array:  # [B] -> [G, K] f32

@@ -1,12 +1,15 @@
 """Per-token logprobs and entropy of completions, through the packed forward.
 
-The model runs on packed rows [R, S]; the LM head is applied by the chunked logprob kernel
-over the flattened tokens, so no [R * S, V] logits tensor exists; the values are then
-gathered into the padded completion layout [B, T] the losses use.
+The model runs on packed rows [R, S]. The LM head is needed only at the N positions that
+predict a completion token (the packing's head layout): their hidden states are gathered
+and only they go through the chunked logprob kernel, so prompt and padding positions cost
+no [D, V] matmul and no softmax, and no [R * S, V] logits tensor exists. The results are
+then gathered into the padded completion layout [B, T] the losses use.
 
-On a mesh (under `sharding.activation_rules`) the rows are split over the batch shards;
-each shard's tokens go through their own chunked-logprob pass, so no device gathers
-another's [tokens, D] hidden states: only the [R * S] per-token results are gathered.
+On a mesh (under `sharding.activation_rules`) the rows are split over the batch shards,
+and the head layout gives each shard N / shards positions inside its own rows: each
+device gathers and runs the head on its own tokens, so no device reads another's
+[tokens, D] hidden states; only the [N] per-token results are gathered.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ class PackedInputs:
   positions: jax.Array  # [R, S]
   segment_ids: jax.Array  # [R, S]
   targets: jax.Array  # [R, S]
-  completion_index: jax.Array  # [B, T]
   completion_mask: jax.Array  # [B, T]
+  head_index: jax.Array  # [N] flat positions the LM head runs at, grouped by row shard
+  head_slot: jax.Array  # [B, T] entry of head_index per completion token
 
   @classmethod
   def from_packed(cls, packed) -> "PackedInputs":
@@ -64,30 +68,43 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
   """
   m = with_params(model, params)
   hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)  # [R, S, D]
+  h, targets = head_inputs(hidden, inputs.targets, inputs.head_index)  # [G, n, D], [G, n]
   lm_head = m.lm_head_weight().astype(hidden.dtype)
-  logp, ent = token_logprobs(hidden, lm_head, inputs.targets, temperature, chunking)
+  logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking)
 
-  def gather(x):  # [R * S] (all-gathered on a mesh: small) -> [B, T]
-    out = gather_completions(x, inputs.completion_index, inputs.completion_mask)
+  def gather(x):  # [G, n] (all-gathered on a mesh: small) -> [B, T]
+    out = gather_completions(x, inputs.head_slot, inputs.completion_mask)
     return constrain(out, ("batch", None))
 
   if with_values:
-    return gather(logp), gather(ent), gather(m.values(hidden))
+    return gather(logp), gather(ent), gather(m.values(h))
   return gather(logp), gather(ent)
 
 
-def token_logprobs(hidden, lm_head, targets, temperature=1.0,
-                   chunking: ChunkedLogprobConfig = ChunkedLogprobConfig()):
-  """(logprob, entropy), each [R * S] float32, of packed hidden states [R, S, D].
+def head_inputs(hidden, targets, head_index):
+  """The hidden states [G, N / G, D] and targets [G, N / G] at the head positions.
 
-  The rows are cut into as many contiguous groups as the active rules give batch shards
-  (one group without a mesh), so each device runs the chunked pass on its own rows and
-  only the lm_head gradient is reduced across devices.
+  G is the number of batch shards the active rules cut the rows into (1 without a mesh);
+  it must divide the shards the head layout was built for, so every group's positions
+  lie in its own rows and the gather stays on each device.
   """
   r, s, d = hidden.shape
   g = batch_shards(r)
-  h = constrain(hidden.reshape(g, r // g * s, d), ("batch", None, None))  # [G, N, D]
-  t = constrain(targets.reshape(g, r // g * s), ("batch", None))  # [G, N]
+  h = constrain(hidden.reshape(g, r // g * s, d), ("batch", None, None))  # [G, r/G * S, D]
+  t = constrain(targets.reshape(g, r // g * s), ("batch", None))
+  first = (jnp.arange(g, dtype=head_index.dtype) * (r // g * s))[:, None]
+  local = constrain(head_index.reshape(g, -1) - first, ("batch", None))  # [G, n]
+  picked = jnp.take_along_axis(h, local[..., None], axis=1, mode="clip")
+  return picked, jnp.take_along_axis(t, local, axis=1, mode="clip")
+
+
+def head_logprobs(h, lm_head, targets, temperature=1.0,
+                  chunking: ChunkedLogprobConfig = ChunkedLogprobConfig()):
+  """(logprob, entropy), each [G * n] float32, of hidden states [G, n, D].
+
+  Each group runs its own chunked pass (vmapped over G), so each device works on its own
+  tokens and only the lm_head gradient is reduced across devices.
+  """
   run = lambda h1, t1: chunked_logprob(h1, lm_head, t1, temperature, config=chunking)
-  logp, ent = jax.vmap(run)(h, t) if g > 1 else run(h[0], t[0])
+  logp, ent = jax.vmap(run)(h, targets) if h.shape[0] > 1 else run(h[0], targets[0])
   return logp.reshape(-1), ent.reshape(-1)

@@ -134,9 +134,13 @@ def advantage_stats(advantages: jax.Array, mask: jax.Array) -> dict:
 
 
 def zero_variance_fraction(rewards: jax.Array) -> jax.Array:  # [G, K] -> scalar
-  """Fraction of groups whose K rewards are all equal (no signal for group estimators)."""
-  constant = jnp.max(rewards, axis=-1) == jnp.min(rewards, axis=-1)
-  return jnp.mean(constant.astype(F32))
+  """Fraction of groups whose K rewards are all equal (no signal for group estimators).
+
+  Written with array methods, so host rewards (numpy) stay on the host: the loop reports
+  it every step without a device program.
+  """
+  constant = rewards.max(axis=-1) == rewards.min(axis=-1)
+  return constant.astype(F32).mean()
 
 
 def length_stats(mask: jax.Array) -> dict:

@@ -5,11 +5,19 @@ positions restart per sequence), so no FLOPs go to padding. Losses are defined p
 sequence, on a padded [B, T] completion layout; `PackedBatch.gather` maps per-token values
 from the packed rows to that layout with one gather, so gradients flow back through it.
 
-Shapes: R rows of S tokens; B trajectories; T the longest completion.
+The LM head (a [D, V] matmul and a softmax per token, the largest cost of a small model's
+forward) is needed only where a completion token is predicted: the head layout
+(`head_index`, `head_slot`) lists those N positions, so the trainer gathers N hidden
+states instead of running the head over all R * S positions (prompts and padding too).
+The positions are grouped by row shard: on a mesh each device's rows are a contiguous
+block of rows, and its share of the head positions must come from those rows only, so no
+device reads another's hidden states.
 
-Jitted steps compile once per shape, so the trainer rounds R and T up to fixed buckets
-(`bucket`, `completion_bucket`): a run whose completion lengths vary compiles a few shapes,
-not one per step.
+Shapes: R rows of S tokens; B trajectories; T the longest completion; N head positions.
+
+Jitted steps compile once per shape, so the trainer rounds R, T and N up to fixed buckets
+(`bucket`, `completion_bucket`, `head_bucket`): a run whose completion lengths vary
+compiles a few shapes, not one per step.
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ class PackedBatch:
     completion_index: [B, T] flat index into R * S of the position that predicts
       completion token t of trajectory b (0 where masked).
     completion_mask: [B, T] 1 where trajectory b has a completion token t.
+    head_index: [N] flat index into R * S of each position the LM head runs at: shard g
+      of `shards` owns entries [g * N / shards, (g + 1) * N / shards), all within its
+      rows; unused entries hold the shard's first position (their results are never read).
+    head_slot: [B, T] the entry of head_index that predicts completion token t of
+      trajectory b (0 where masked).
   """
 
   tokens: np.ndarray
@@ -48,6 +61,8 @@ class PackedBatch:
   targets: np.ndarray
   completion_index: np.ndarray
   completion_mask: np.ndarray
+  head_index: np.ndarray
+  head_slot: np.ndarray
 
   def gather(self, per_token):  # [R, S] (or [R * S]) -> [B, T]
     """Per-token values of the packed rows in the padded completion layout."""
@@ -63,6 +78,7 @@ def gather_completions(per_token, completion_index, completion_mask):
 
 
 MIN_COMPLETION_BUCKET = 8
+MIN_HEAD_BUCKET = 64  # Head positions per row shard at least (fewer sizes to compile).
 
 
 def bucket(n: int, multiple: int = 1) -> int:
@@ -78,6 +94,73 @@ def completion_bucket(longest: int) -> int:
   return bucket(longest, MIN_COMPLETION_BUCKET)
 
 
+def head_bucket(tokens: int, positions: int) -> int:
+  """Head positions per row shard for a shard of `positions` positions holding at most
+  `tokens` completion tokens: a bucket, but never more than the shard's positions."""
+  return min(bucket(tokens, MIN_HEAD_BUCKET), positions)
+
+
+def shard_of_positions(flat_index: np.ndarray, rows: int, row_tokens: int,
+                       shards: int) -> np.ndarray:
+  """The row shard (of `shards` contiguous blocks of rows) each flat position lies in."""
+  if rows % shards:
+    raise ValueError(f"packing: {rows} rows do not split into {shards} row shards")
+  return flat_index // (rows // shards * row_tokens)
+
+
+def head_tokens(packed: PackedBatch, shards: int) -> int:
+  """Completion tokens of the busiest row shard: what the head layout must hold per shard."""
+  rows, row_tokens = packed.tokens.shape
+  flat = packed.completion_index[packed.completion_mask > 0]
+  shard = shard_of_positions(flat, rows, row_tokens, shards)
+  return int(np.bincount(shard, minlength=shards).max())
+
+
+def with_head_layout(packed: PackedBatch, shards: int = 1,
+                     per_shard: int | None = None) -> PackedBatch:
+  """`packed` with its head layout rebuilt for `shards` row shards of `per_shard`
+  positions each (default: the head bucket of the busiest shard).
+
+  Each shard's completion positions keep the order of (trajectory, token); the gather
+  back to [B, T] is then one index per token.
+  """
+  rows, row_tokens = packed.tokens.shape
+  per_shard = per_shard or head_bucket(head_tokens(packed, shards), rows // shards * row_tokens)
+  valid = packed.completion_mask > 0
+  flat = packed.completion_index[valid]  # [C] in (b, t) order
+  shard = shard_of_positions(flat, rows, row_tokens, shards)
+  order = np.argsort(shard, kind="stable")
+  counts = np.bincount(shard, minlength=shards)
+  if counts.max(initial=0) > per_shard:
+    raise ValueError(f"packing: a row shard has {counts.max()} completion tokens, more than "
+                     f"the {per_shard} head positions per shard")
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  rank = np.empty(len(flat), np.int64)
+  rank[order] = np.arange(len(flat)) - starts[shard[order]]
+  slot = (shard * per_shard + rank).astype(np.int32)  # [C]
+  first = np.arange(shards) * (rows // shards * row_tokens)
+  head_index = np.repeat(first, per_shard).astype(np.int32)  # [N]
+  head_index[slot] = flat
+  head_slot = np.zeros(packed.completion_mask.shape, np.int32)
+  head_slot[valid] = slot
+  return dataclasses.replace(packed, head_index=head_index, head_slot=head_slot)
+
+
+def pad_rows(packed: PackedBatch, n: int) -> PackedBatch:
+  """`packed` with padding rows appended up to n rows (segment id 0, no targets).
+
+  Flat indices count row by row, so the completion index stays valid; the head layout is
+  rebuilt by the caller once the final rows and shards are known.
+  """
+  extra = n - len(packed.tokens)
+  if extra < 0:
+    raise ValueError(f"cannot pad {len(packed.tokens)} rows to {n}")
+  pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
+  return dataclasses.replace(packed, tokens=pad(packed.tokens),
+                             positions=pad(packed.positions),
+                             segment_ids=pad(packed.segment_ids), targets=pad(packed.targets))
+
+
 def pad_trajectories(packed: PackedBatch, n: int) -> PackedBatch:
   """The completion layout padded to n trajectories with empty ones (mask 0, index 0).
 
@@ -89,7 +172,8 @@ def pad_trajectories(packed: PackedBatch, n: int) -> PackedBatch:
     raise ValueError(f"cannot pad {len(packed.completion_mask)} trajectories to {n}")
   pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
   return dataclasses.replace(packed, completion_index=pad(packed.completion_index),
-                             completion_mask=pad(packed.completion_mask))
+                             completion_mask=pad(packed.completion_mask),
+                             head_slot=pad(packed.head_slot))
 
 
 def _first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
@@ -110,7 +194,8 @@ def _first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
 
 def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | None = None,
          max_completion: int | None = None) -> PackedBatch:
-  """Packs trajectories into `num_rows` rows (default: as few as fit) of `row_tokens`.
+  """Packs trajectories into `num_rows` rows (default: as few as fit) of `row_tokens`,
+  with a one-shard head layout (see `with_head_layout` for more shards).
 
   Raises:
     UserError: a trajectory longer than a row, or more rows needed than `num_rows`.
@@ -149,4 +234,6 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
       index[i, :c] = r * row_tokens + start + p - 1 + np.arange(c)
       mask[i, :c] = 1.0
       start += n
-  return PackedBatch(tokens, positions, segments, targets, index, mask)
+  packed = PackedBatch(tokens, positions, segments, targets, index, mask,
+                       head_index=np.zeros((0,), np.int32), head_slot=np.zeros_like(index))
+  return with_head_layout(packed)

@@ -2,7 +2,17 @@
 
 One rollout batch becomes `minibatches` optimizer steps; each step accumulates gradients
 over `micro_batches` packed micro-batches (lax.scan), with the loss normalised by the whole
-step's token or sequence count so micro-batching changes nothing. Parameters are f32
+step's token or sequence count so micro-batching changes nothing.
+
+Each optimizer step is one compiled program, fed the packed minibatch: it runs the
+reference forward, gathers the advantages, takes the normaliser, the loss and gradients
+and the AdamW update, and returns the metrics as device arrays. Separate no-gradient
+programs per micro-batch and per-minibatch metric fetches each cost a dispatch and a host
+round trip, which dominate a small model's step; here the host packs each micro-batch
+once, places the rollout batch once, and fetches the metrics once per rollout batch. The
+first minibatch's parameters are the old policy, so its forward doubles as the old
+logprobs, and its program also computes the old policy of the later minibatches before it
+updates (one program kind for the first minibatch, one for the rest). Parameters are f32
 masters; the forward computes in the model's compute dtype (bf16 by default). A step whose
 loss or gradient is not finite leaves parameters and optimizer state untouched and is
 counted in `TrainState.skipped`.
@@ -37,11 +47,12 @@ from jaxrl_post.rl import metrics as canaries
 from jaxrl_post.rl.advantages import AdvantageConfig, compute_advantages
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
 from jaxrl_post.rl.losses import LossConfig, global_normaliser, policy_loss
-from jaxrl_post.rl.masked import masked_mean, sequence_lengths
+from jaxrl_post.rl.masked import masked_mean, sequence_lengths, to_tokens
 from jaxrl_post.rl.off_policy import OffPolicyConfig, off_policy_correction
 from jaxrl_post.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
-from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, pack,
-                                   pad_trajectories)
+from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, head_bucket,
+                                   head_tokens, pack, pad_rows, pad_trajectories,
+                                   with_head_layout)
 from jaxrl_post.rl.value import terminal_rewards, value_loss
 from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, logical_to_spec,
                                  tree_shardings)
@@ -81,15 +92,42 @@ class TrainState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-  """One optimizer step's data; every leaf has a leading micro-batch axis [M]."""
+  """One minibatch as packed on the host; every leaf has a leading micro-batch axis [M]."""
 
   inputs: PackedInputs
-  old_logprobs: jax.Array  # [M, B, T] policy before this rollout batch's updates
   behaviour_logprobs: jax.Array  # [M, B, T] from the rollout engine
-  ref_logprobs: jax.Array  # [M, B, T]
-  advantages: jax.Array  # [M, B, T]
-  old_values: jax.Array  # [M, B, T] critic before the updates (zeros without a critic)
-  returns: jax.Array  # [M, B, T] critic targets (zeros without a critic)
+  sequence: jax.Array  # [M, B] int32 index into the rollout batch (0 for padding)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequenceScores:
+  """Per-trajectory values of the whole rollout batch, [N] each, in rollout order.
+
+  Group estimators need the whole batch, so they are computed before it is split; each
+  minibatch program gathers its trajectories' entries through StepBatch.sequence.
+  """
+
+  advantages: jax.Array  # [N] sequence advantages (GRPO family); zeros for a critic model
+  rewards: jax.Array  # [N] sequence rewards (GAE's terminal rewards with a critic)
+
+  @classmethod
+  def of(cls, n: int, advantages=None, rewards=None) -> "SequenceScores":
+    def f32(x):  # A device array stays where it is (no fetch); host values become f32.
+      if x is None:
+        return np.zeros(n, np.float32)
+      return x if isinstance(x, jax.Array) else np.asarray(x, np.float32)
+
+    return cls(f32(advantages), f32(rewards))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OldPolicy:
+  """The policy before a rollout batch's updates, on one minibatch: [M, B, T] each."""
+
+  logprobs: jax.Array
+  values: jax.Array  # the critic's (zeros without a value head)
 
 
 def merge_params(a: dict, b: dict) -> dict:
@@ -104,8 +142,20 @@ def _is_lora(path) -> bool:
   return "_lora_" in str(path[-1])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Micro:
+  """What the scan over a minibatch's micro-batches feeds one loss: [B, ...] leaves."""
+
+  inputs: PackedInputs
+  behaviour_logprobs: jax.Array  # [B, T]
+  advantages: jax.Array  # [B] sequence advantages
+  rewards: jax.Array  # [B]
+  old: Optional[OldPolicy]  # [B, T] each; None: these parameters are the old policy
+
+
 class Trainer:
-  """Builds and runs the jitted step for one model config on the training mesh."""
+  """Builds and runs the jitted minibatch update for one model config on the training mesh."""
 
   def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig(),
                mesh: Optional[Mesh] = None, rules=TRAINING_RULES):
@@ -117,7 +167,7 @@ class Trainer:
     self.schedule = learning_rate_schedule(cfg.optimizer)
     self.param_shardings = None
     self.batch_shards = 1  # Pieces the rows and trajectories of a batch are split into.
-    self._inputs_sharding = self._batch_sharding = None
+    self._inputs_sharding = self._batch_sharding = self._replicated = None
     if mesh is not None:
       self.param_shardings = tree_shardings(logical_axes(self.model), params_of(self.model),
                                             rules, mesh)
@@ -125,29 +175,35 @@ class Trainer:
       self.batch_shards = math.prod(mesh.shape[a] for a in _axis_names(axes))
       self._inputs_sharding = NamedSharding(mesh, PartitionSpec(axes))  # [R, ...], [B, ...]
       self._batch_sharding = NamedSharding(mesh, PartitionSpec(None, axes))  # [M, R or B, ...]
-    self._logprobs = self._jit(self._completion_logprobs, (None, self._inputs_sharding))
-    self._values = self._jit(self._completion_values, (None, self._inputs_sharding))
-    self._step = None  # Built by init_state, once the state's shardings are known.
+      self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._logprobs = self._jit(self._completion_logprobs)
+    self._values = self._jit(self._completion_values)
+    self._old = self._jit(self._old_policy_of_minibatch)
+    self._update = None  # Built by init_state, once the state's shardings are known.
 
-  def _jit(self, fn, in_shardings, **kwargs):
-    """jax.jit of fn traced under this trainer's activation rules, with explicit input
-    shardings on a mesh. The rules must be active while jax traces (not around a call)."""
+  def _jit(self, fn, **kwargs):
+    """jax.jit of fn traced under this trainer's activation rules. The rules must be active
+    while jax traces (not around a call). Inputs arrive placed (`place_*`), so their own
+    shardings are the programs' input shardings."""
     @functools.wraps(fn)
     def traced(*args, **kw):
       with activation_rules(self.rules, self.mesh):
         return fn(*args, **kw)
 
-    if self.mesh is not None:
-      kwargs["in_shardings"] = in_shardings
     return jax.jit(traced, **kwargs)
 
   def place_inputs(self, inputs: PackedInputs) -> PackedInputs:
     """A packed batch on the device(s), rows and trajectories split over the batch shards."""
     return self._place(inputs, self._inputs_sharding, axis=0)
 
-  def place_batch(self, batch: StepBatch) -> StepBatch:
-    """A step's batch on the device(s), split like `place_inputs` behind its [M] axis."""
+  def place_batch(self, batch):
+    """A step's batch (or a list of them) on the device(s), split like `place_inputs`
+    behind its [M] axis, in one transfer."""
     return self._place(batch, self._batch_sharding, axis=1)
+
+  def place_scores(self, scores: SequenceScores) -> SequenceScores:
+    """Per-sequence values on the device(s), whole on each (every shard gathers from it)."""
+    return jax.device_put(scores, self._replicated)
 
   def _place(self, tree, sharding, axis: int):
     if sharding is None:
@@ -178,7 +234,7 @@ class Trainer:
   def init_state(self, params: dict) -> TrainState:
     """A TrainState from full parameters, placed on the training mesh when one is set.
 
-    The jitted step is built here with explicit out_shardings equal to the state's, so
+    The jitted update is built here with explicit out_shardings equal to the state's, so
     the state never moves between steps and donation recycles its buffers in place.
     """
     # The state owns copies: steps donate its buffers, and the caller's arrays (often the
@@ -191,14 +247,14 @@ class Trainer:
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, frozen=frozen,
                        opt_state=opt_state, skipped=jnp.zeros((), jnp.int32))
-    placed, out = None, {}
+    out = {}
     if self.mesh is not None:
       placed = _state_shardings(state, self.mesh)
       state = jax.device_put(state, placed)
-      # Metrics replicated: small, and every process can read them.
-      out = {"out_shardings": (placed, NamedSharding(self.mesh, PartitionSpec()))}
-    self._step = self._jit(self._train_step, (placed, self._batch_sharding), donate_argnums=0,
-                           static_argnums=2, **out)
+      # Metrics replicated (small, and every process can read them); the old policy of
+      # later minibatches split like their batches.
+      out = {"out_shardings": (placed, self._replicated, self._batch_sharding)}
+    self._update = self._jit(self._minibatch_update, donate_argnums=0, **out)
     return state
 
   def full_params(self, state: TrainState) -> dict:
@@ -227,46 +283,108 @@ class Trainer:
     """Critic values [B, T] of a packed batch under `params` (value-head models)."""
     return self._values(params, self.place_inputs(inputs))
 
-  # -------------------------------------------------------------------- step
+  def old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
+    """The OldPolicy of `params` on a minibatch's placed inputs ([M, ...] leaves), as a
+    later minibatch's program receives it from the first."""
+    return self._old(params, inputs)
 
-  def _micro_loss(self, trainable, frozen, mb: StepBatch, normaliser, on_policy: bool):
+  def _old_policy_of_minibatch(self, params: dict, inputs: PackedInputs) -> OldPolicy:
+    return self._old_policies(params, (inputs,))[0]
+
+  def _old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
+    """Logprobs (and critic values) of one packed micro-batch, without gradients."""
+    out = completion_logprobs(self.model, params, inputs, self.cfg.temperature,
+                              with_values=self.value_head)
+    values = out[2] if self.value_head else jnp.zeros_like(out[0])
+    return jax.lax.stop_gradient(OldPolicy(out[0], values))
+
+  def _old_policies(self, params: dict, later: tuple[PackedInputs, ...]
+                    ) -> tuple[OldPolicy, ...]:
+    """The old policy of each later minibatch ([M, ...] inputs of one shape): one forward
+    body mapped over all their micro-batches."""
+    if not later:
+      return ()
+    m = later[0].tokens.shape[0]
+    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *later)  # [(N - 1) * M, ...]
+    old = jax.lax.map(lambda x: self._old_policy(params, x), stacked)
+    return tuple(jax.tree.map(lambda a: a[i * m:(i + 1) * m], old) for i in range(len(later)))
+
+  # ----------------------------------------------------------------- update
+
+  def _advantages(self, mb: _Micro, old_values, mask):  # -> ([B, T], [B, T])
+    """(advantages, returns) per token: the sequence advantages broadcast to the tokens,
+    or with a critic GAE over its old values, the reward on each sequence's last token."""
+    if not self.value_head:
+      return to_tokens(mb.advantages, mask), jnp.zeros_like(mask)
+    return compute_advantages(terminal_rewards(mb.rewards, mask), mask, self.cfg.gae,
+                              values=old_values)
+
+  def _micro_loss(self, trainable, frozen, mb: _Micro, ref_logprobs, normaliser):
     params = merge_params(trainable, frozen)
     out = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature,
                               with_values=self.value_head)
     logp, ent = out[:2]
-    # On-policy, the old policy *is* these parameters: reuse this forward (exact ratio 1,
-    # one forward pass saved) instead of a separately computed copy.
-    old = jax.lax.stop_gradient(logp) if on_policy else mb.old_logprobs
+    values = out[2] if self.value_head else jnp.zeros_like(logp)
+    # The first minibatch's parameters are the old policy: reuse this forward (exact
+    # ratio 1, one forward pass saved) instead of a separately computed copy.
+    old = mb.old if mb.old is not None else jax.lax.stop_gradient(OldPolicy(logp, values))
     mask = mb.inputs.completion_mask
-    weights = None
+    advantages, returns = self._advantages(mb, old.values, mask)
+    loss_mask, weights = mask, None
     if self.cfg.off_policy is not None:
-      weights, mask, _ = off_policy_correction(old, mb.behaviour_logprobs, mask,
-                                               self.cfg.off_policy)
-    loss, m = policy_loss(logp, old, mb.ref_logprobs, mb.advantages, mask, ent,
+      weights, loss_mask, _ = off_policy_correction(old.logprobs, mb.behaviour_logprobs, mask,
+                                                    self.cfg.off_policy)
+    loss, m = policy_loss(logp, old.logprobs, ref_logprobs, advantages, loss_mask, ent,
                           self.cfg.loss, normaliser, is_weights=weights)
     v_loss = jnp.float32(0.0)
     if self.value_head:
-      v_loss = value_loss(out[2], mb.old_values, mb.returns, mb.inputs.completion_mask,
-                          self.cfg.value_clip, normaliser, self.cfg.loss)
+      v_loss = value_loss(values, old.values, returns, mask, self.cfg.value_clip, normaliser,
+                          self.cfg.loss)
       loss = loss + self.cfg.value_coef * v_loss
     per_token = {"logp": logp, "entropy": ent, "ratio": m["ratio"],
                  "clip_low": m["clip_low"], "clip_high": m["clip_high"],
                  "is_weights": weights if weights is not None else jnp.ones_like(logp),
-                 "value_loss": v_loss}
+                 "advantages": advantages, "value_loss": v_loss}
     return loss, per_token
 
-  def _train_step(self, state: TrainState, batch: StepBatch, on_policy: bool):
+  def _minibatch_update(self, state: TrainState, ref_params: Optional[dict],
+                        batch: StepBatch, scores: SequenceScores, old: Optional[OldPolicy],
+                        later: tuple[PackedInputs, ...]):
+    """One optimizer step on a minibatch, with every pass it needs, as one program.
+
+    Reference logprobs (from `ref_params`, or the LoRA base when None), the normaliser,
+    the advantages, the loss and gradients of each micro-batch (scanned), the AdamW update
+    and the metrics. `old` None marks the first minibatch of a rollout batch: its
+    parameters are the old policy, so its own forward gives the old logprobs, and before
+    updating it computes the old policy of the `later` minibatches for their programs.
+
+    Returns:
+      (new state, metrics as device scalars and histograms, the old policy of `later`).
+    """
+    lookahead = self._old_policies(self.full_params(state), later)
+    ref = ref_params if ref_params is not None else self.reference_params(state)
     mask = batch.inputs.completion_mask  # [M, B, T]: the whole step's tokens
     normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
+    micro = _Micro(batch.inputs, batch.behaviour_logprobs, scores.advantages[batch.sequence],
+                   scores.rewards[batch.sequence], old)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def accumulate(carry, mb):
       grads, total = carry
-      (loss, per_token), g = grad_fn(state.params, state.frozen, mb, normaliser, on_policy)
-      return (jax.tree.map(jnp.add, grads, g), total + loss), per_token
+      ref_logp = jax.lax.stop_gradient(
+          completion_logprobs(self.model, ref, mb.inputs, self.cfg.temperature)[0])
+      (loss, per_token), g = grad_fn(state.params, state.frozen, mb, ref_logp, normaliser)
+      return (jax.tree.map(jnp.add, grads, g), total + loss), per_token | {"ref_logp": ref_logp}
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (grads, loss), per_token = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), batch)
+    (grads, loss), per_token = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), micro)
+    new_state, metrics = self._apply(state, grads, loss)
+    metrics["value_loss"] = jnp.sum(per_token["value_loss"])
+    metrics.update(self._canaries(batch, per_token))
+    return new_state, metrics, lookahead
+
+  def _apply(self, state: TrainState, grads, loss) -> tuple[TrainState, dict]:
+    """The AdamW update, dropped (and counted) when the loss or a gradient is not finite."""
     grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -275,11 +393,8 @@ class Trainer:
     new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                               opt_state=keep(opt_state, state.opt_state),
                               skipped=state.skipped + (~finite).astype(jnp.int32))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": new_state.skipped,
-               "value_loss": jnp.sum(per_token["value_loss"]),
-               "lr": self.schedule(state.step), "update_finite": finite}
-    metrics.update(self._canaries(batch, per_token))
-    return new_state, metrics
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped": new_state.skipped,
+                       "lr": self.schedule(state.step), "update_finite": finite}
 
   def _canaries(self, batch: StepBatch, t: dict) -> dict:
     flat = lambda x: x.reshape(-1, x.shape[-1])  # [M, B, T] -> [M * B, T]
@@ -293,22 +408,66 @@ class Trainer:
     out.update(canaries.clip_fractions(flat(t["clip_low"]), flat(t["clip_high"]), mask))
     out["kl/behaviour"] = canaries.behaviour_kl(flat(t["logp"]), flat(batch.behaviour_logprobs),
                                                 mask)
-    out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(batch.ref_logprobs), mask)
+    out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(t["ref_logp"]), mask)
     out["entropy"] = canaries.mean_entropy(flat(t["entropy"]), mask)
     out.update(canaries.logprob_mismatch(flat(t["logp"]), flat(batch.behaviour_logprobs), mask))
     out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
-    out.update(canaries.advantage_stats(flat(batch.advantages), mask))
+    out.update(canaries.advantage_stats(flat(t["advantages"]), mask))
     out.update(_length_stats(mask))
     return out
 
-  def step(self, state: TrainState, batch: StepBatch,
-           on_policy: bool = False) -> tuple[TrainState, dict]:
+  def step(self, state: TrainState, batch: StepBatch, scores: SequenceScores,
+           ref_params: Optional[dict] = None, old: Optional[OldPolicy] = None,
+           later: Sequence[PackedInputs] = ()) -> tuple[TrainState, dict, tuple]:
     """One optimizer step; `state` is donated.
 
-    on_policy: the parameters are those that sampled the batch (the first step after a
-      synchronous rollout); batch.old_logprobs is then not read.
+    Args:
+      state: the current state.
+      batch: the minibatch (host or placed).
+      scores: the rollout batch's per-sequence advantages and rewards.
+      ref_params: frozen reference parameters; None with LoRA (the base is the reference).
+      old: the old policy on this minibatch; None when `state`'s parameters are it (the
+        first minibatch of a rollout batch).
+      later: placed inputs of the minibatches after this one (only with old=None), whose
+        old policy is returned.
+
+    Returns:
+      (new state, metrics as device arrays, the old policy of each of `later`).
     """
-    return self._step(state, self.place_batch(batch), on_policy)
+    return self._update(state, ref_params, self.place_batch(batch), self.place_scores(scores),
+                        old, tuple(later))
+
+  def update(self, state: TrainState, batches: Sequence[StepBatch], scores: SequenceScores,
+             ref_params: Optional[dict] = None) -> tuple[TrainState, list[dict]]:
+    """All optimizer steps of one rollout batch, one program per minibatch (the first
+    also runs the old policy of the others); the metrics stay on the device, for one
+    fetch per step (`fetch_metrics`)."""
+    batches, scores = self.place_batch(list(batches)), self.place_scores(scores)
+    later = tuple(b.inputs for b in batches[1:])
+    state, metrics, olds = self._update(state, ref_params, batches[0], scores, None, later)
+    history = [metrics]
+    for batch, old in zip(batches[1:], olds):
+      state, metrics, _ = self._update(state, ref_params, batch, scores, old, ())
+      history.append(metrics)
+    return state, history
+
+
+def fetch_metrics(history: Sequence[dict]) -> list[dict]:
+  """Device metrics of a step's optimizer steps on the host, in one transfer: Python
+  floats, ints and bools, and lists for histograms."""
+  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in jax.device_get(history)]
+
+
+def rollout_batch_metrics(rewards, group_size: Optional[int] = None) -> dict:
+  """Reward statistics of a rollout batch, from its host rewards [N] (no device work)."""
+  if rewards is None:
+    return {}
+  rewards = np.asarray(rewards, np.float32)
+  out = {"reward/mean": float(np.mean(rewards))}
+  if group_size:
+    out["groups/zero_variance_frac"] = float(
+        canaries.zero_variance_fraction(rewards.reshape(-1, group_size)))
+  return out
 
 
 def _length_stats(mask):  # [N, T] -> dict of scalars
@@ -381,22 +540,48 @@ def split_minibatches(n: int, minibatches: int, micro_batches: int) -> list[list
 def pack_micro_batches(trajectories: Sequence[Trajectory], groups: list[list[int]],
                        row_tokens: int, max_completion: int,
                        shards: int = 1) -> list[PackedInputs]:
-  """Packs each micro-batch with the same shapes (static for the scan), on the host.
+  """Packs each micro-batch once, on the host, all with the same shapes (static for the
+  scan, and one program for every minibatch of a step).
 
   Rows come from fixed buckets, `shards` x a power of two, so every batch shard gets whole
-  rows and a run compiles few shapes; the trajectories of the completion layout are padded
-  with empty ones to a multiple of `shards`. Padding rows have segment id 0 everywhere.
+  rows and a run compiles few shapes; so do the head positions per shard. The
+  trajectories of the completion layout are padded with empty ones to a multiple of
+  `shards`. Padding rows have segment id 0 everywhere.
   """
-  need = max(len(pack([trajectories[i] for i in g], row_tokens).tokens) for g in groups)
-  rows = bucket(need, shards)
+  packed = [pack([trajectories[i] for i in g], row_tokens, max_completion=max_completion)
+            for g in groups]
+  rows = bucket(max(len(p.tokens) for p in packed), shards)
+  packed = [pad_rows(p, rows) for p in packed]
+  per_shard = head_bucket(max(head_tokens(p, shards) for p in packed),
+                          rows // shards * row_tokens)
   size = shards * math.ceil(max(len(g) for g in groups) / shards)
-  return [PackedInputs.on_host(pad_trajectories(
-      pack([trajectories[i] for i in g], row_tokens, rows, max_completion), size))
-          for g in groups]
+  return [PackedInputs.on_host(pad_trajectories(with_head_layout(p, shards, per_shard), size))
+          for p in packed]
 
 
-def stack(items: Sequence[Any]) -> Any:
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *items)
+def pack_rollouts(trainer: Trainer, trajectories: Sequence[Trajectory],
+                  behaviour_logprobs: Sequence[Sequence[float]]) -> list[StepBatch]:
+  """A rollout batch as one StepBatch per minibatch, placed on the trainer's devices.
+
+  Every micro-batch is packed once, with the shapes of all the others (rows, trajectories,
+  completion width, head positions), so the first minibatch's program can run the old
+  policy of the rest as one batch; everything goes to the devices in one transfer.
+  Per-trajectory inputs are padded like the completion layout (zeros: padding
+  trajectories have an all-zero mask, so nothing reads them).
+  """
+  cfg = trainer.cfg
+  t = completion_bucket(max(len(x.completion) for x in trajectories))
+  groups = [g for minibatch in split_minibatches(len(trajectories), cfg.minibatches,
+                                                 cfg.micro_batches) for g in minibatch]
+  host = pack_micro_batches(trajectories, groups, cfg.row_tokens, t, trainer.batch_shards)
+  b = host[0].completion_mask.shape[0]
+  behaviour = [_pad_to(to_completion_layout([behaviour_logprobs[i] for i in g], t), b)
+               for g in groups]
+  sequence = [_pad_to(np.asarray(g, np.int32), b) for g in groups]
+  m = cfg.micro_batches
+  return trainer.place_batch([
+      StepBatch(inputs=_stack_host(host[i:i + m]), behaviour_logprobs=np.stack(behaviour[i:i + m]),
+                sequence=np.stack(sequence[i:i + m])) for i in range(0, len(groups), m)])
 
 
 def _stack_host(items: Sequence[Any]) -> Any:
@@ -419,101 +604,31 @@ def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequenc
                       behaviour_logprobs: Sequence[Sequence[float]],
                       advantages: Optional[np.ndarray] = None,
                       rewards: Optional[np.ndarray] = None,
-                      ref_params: Optional[dict] = None, on_policy: bool = True,
+                      ref_params: Optional[dict] = None,
                       group_size: Optional[int] = None) -> tuple[TrainState, list[dict]]:
   """All optimizer steps for one rollout batch.
+
+  The old policy is `state`'s parameters (the policy before this batch's updates); the
+  rollout's own logprobs enter through the off-policy correction.
 
   Args:
     trainer: the trainer.
     state: the current state (donated step by step).
     trajectories: prompts and completions, groups of K contiguous.
     behaviour_logprobs: per completion token, from the rollout engine.
-    advantages: [B] sequence-level advantages (GRPO family); None for a value-head model,
-      whose advantages come from GAE over `rewards` and its critic.
-    rewards: [B] sequence rewards: required for GAE; otherwise only reported.
+    advantages: [N] sequence-level advantages (GRPO family), host or device; None for a
+      value-head model, whose advantages come from GAE over `rewards` and its critic.
+    rewards: [N] sequence rewards: required for GAE; otherwise only reported.
     ref_params: frozen reference parameters; None with LoRA (the base is the reference).
-    on_policy: the rollout sampled from `state`'s parameters (synchronous training), so
-      the first step needs no separate old-logprob pass.
     group_size: K, to report the fraction of groups whose rewards do not vary.
 
   Returns:
     The new state and one metrics dict (host values) per optimizer step.
   """
-  batches = prepare_step_batches(trainer, state, trajectories, behaviour_logprobs, advantages,
-                                 rewards, ref_params, on_policy)
-  return run_step_batches(trainer, state, batches, rewards, on_policy, group_size)
-
-
-def prepare_step_batches(trainer: Trainer, state: TrainState,
-                         trajectories: Sequence[Trajectory],
-                         behaviour_logprobs: Sequence[Sequence[float]],
-                         advantages: Optional[np.ndarray] = None,
-                         rewards: Optional[np.ndarray] = None,
-                         ref_params: Optional[dict] = None,
-                         on_policy: bool = True) -> list[StepBatch]:
-  """Packs a rollout batch and runs the no-gradient passes: reference logprobs, and the
-  old policy's (and critic's) where a step cannot reuse its own forward.
-
-  Arguments as in `train_on_rollouts`. All passes use the parameters of `state` before
-  any update, so they are computed up front, one StepBatch per optimizer step.
-  """
-  cfg = trainer.cfg
   if (advantages is None) != trainer.value_head or (advantages is None and rewards is None):
     raise ValueError("pass advantages for a policy-only model, rewards for a value-head one")
-  t = completion_bucket(max(len(x.completion) for x in trajectories))
-  plan = split_minibatches(len(trajectories), cfg.minibatches, cfg.micro_batches)
-  old_params = trainer.full_params(state)  # The policy that sampled (before any update).
-  ref = ref_params if ref_params is not None else trainer.reference_params(state)
-  return [_step_batch(trainer, old_params, ref, trajectories, behaviour_logprobs,
-                      advantages, rewards, minibatch, t, skip_old=on_policy and n == 0)
-          for n, minibatch in enumerate(plan)]
-
-
-def run_step_batches(trainer: Trainer, state: TrainState, batches: Sequence[StepBatch],
-                     rewards: Optional[np.ndarray] = None, on_policy: bool = True,
-                     group_size: Optional[int] = None) -> tuple[TrainState, list[dict]]:
-  """The optimizer steps over prepared batches; returns the state and per-step metrics."""
-  extra = {}
-  if rewards is not None:
-    extra["reward/mean"] = float(np.mean(rewards))
-    if group_size:
-      extra["groups/zero_variance_frac"] = float(canaries.zero_variance_fraction(
-          jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)))
-  history = []
-  for n, batch in enumerate(batches):
-    state, metrics = trainer.step(state, batch, on_policy=on_policy and n == 0)
-    history.append({k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
-                   | extra)
-  return state, history
-
-
-def _step_batch(trainer, old_params, ref, trajectories, behaviour, advantages, rewards,
-                minibatch, t, skip_old: bool) -> StepBatch:
-  """Packs one minibatch's micro-batches and gathers every per-token input of the step.
-
-  Per-trajectory inputs are padded like the completion layout (zeros: padding
-  trajectories have an all-zero mask, so nothing reads them).
-  """
-  host = pack_micro_batches(trajectories, minibatch, trainer.cfg.row_tokens, t,
-                            trainer.batch_shards)
-  inputs = [trainer.place_inputs(x) for x in host]
-  b = host[0].completion_mask.shape[0]
-  per_seq = lambda x, g: _pad_to(np.asarray(x, np.float32)[g], b)  # [B]
-  zeros = [np.zeros((b, t), np.float32)] * len(host)
-  old = zeros if skip_old else [trainer.logprobs(old_params, x)[0] for x in inputs]
-  if trainer.value_head:
-    values = [trainer.values(old_params, x) for x in inputs]
-    targets = [compute_advantages(terminal_rewards(jnp.asarray(per_seq(rewards, g)),
-                                                   x.completion_mask), x.completion_mask,
-                                  trainer.cfg.gae, values=v)
-               for g, x, v in zip(minibatch, inputs, values)]
-    adv, returns = [a for a, _ in targets], [r for _, r in targets]
-  else:
-    values, returns = zeros, zeros
-    adv = [per_seq(advantages, g)[:, None] * x.completion_mask for g, x in zip(minibatch, host)]
-  beh = [_pad_to(to_completion_layout([behaviour[i] for i in g], t), b) for g in minibatch]
-  ref_logprobs = [trainer.logprobs(ref, x)[0] for x in inputs]
-  return trainer.place_batch(StepBatch(
-      inputs=_stack_host(host), old_logprobs=stack(old), behaviour_logprobs=_stack_host(beh),
-      ref_logprobs=stack(ref_logprobs), advantages=stack(adv), old_values=stack(values),
-      returns=stack(returns)))
+  batches = pack_rollouts(trainer, trajectories, behaviour_logprobs)
+  scores = SequenceScores.of(len(trajectories), advantages, rewards)
+  state, history = trainer.update(state, batches, scores, ref_params)
+  extra = rollout_batch_metrics(rewards, group_size)
+  return state, [h | extra for h in fetch_metrics(history)]

@@ -42,7 +42,7 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   records = read_metrics(str(workdir / "metrics.jsonl"))
   assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
   step = records[1]
-  for key in ("reward/mean", "time/rollout", "time/reward", "time/reference",
+  for key in ("reward/mean", "time/rollout", "time/reward", "time/pack",
               "time/advantage", "time/train", "time/sync", "time/waiting",
               "rollout/tokens_per_s", "train/loss", "train/kl/behaviour", "weight_version",
               "data/skipped_overlong", "verifier/errors"):

@@ -6,6 +6,7 @@ import pytest
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rl import AdvantageConfig, compute_advantages
+from jaxrl_post.rl.advantages import sequence_advantages
 from tests.rl import reference as ref
 from tests.rl.helpers import B, K, T, assert_close, response_mask, with_garbage
 
@@ -117,3 +118,12 @@ def test_constant_groups_are_exactly_zero(name):
   adv, _ = compute_advantages(jnp.asarray(r), mask, AdvantageConfig(name, group_size=3))
   np.testing.assert_array_equal(np.asarray(adv)[:6], 0.0)
   assert np.all(np.asarray(adv)[6:] != 0.0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_sequence_advantages_are_the_estimators_per_sequence(name):
+  """The loop's one jitted program gives what compute_advantages gives per sequence."""
+  rewards = np.random.default_rng(0).integers(0, 3, 16).astype(np.float32)
+  cfg = AdvantageConfig(name, group_size=4)
+  want, _ = compute_advantages(rewards, np.ones((16, 1), np.float32), cfg)
+  assert_close(sequence_advantages(rewards, cfg), np.asarray(want)[:, 0])

@@ -12,7 +12,8 @@ from jaxrl_post.models import init_model
 from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.optim import OptimizerConfig
 from jaxrl_post.rl.packing import Trajectory
-from jaxrl_post.rl.trainer import Trainer, TrainerConfig, prepare_step_batches
+from jaxrl_post.rl.trainer import (OldPolicy, SequenceScores, Trainer, TrainerConfig,
+                                   pack_rollouts)
 from jaxrl_post.sharding import MeshConfig, make_mesh
 from tests.rl.helpers import ATOL, RTOL
 from tests.rl.toy_task import CFG
@@ -39,19 +40,21 @@ def one_device() -> Trainer:
 
 
 def sharded_batch(trainer, state, params, trajs=None):
-  """One step's batch, prepared (packed, old and reference logprobs) on `trainer`'s mesh.
+  """One step's inputs on `trainer`'s mesh: (minibatch, scores, reference, old policy).
 
   The old policy is moved off the current one, as after a minibatch update: ratios then
   spread over the histogram's bins instead of sitting at 1 +- an ulp, on a bin edge.
   """
   trajs, behaviour, adv = rollout() if trajs is None else trajs
-  batch, = prepare_step_batches(trainer, state, trajs, behaviour, adv, ref_params=params,
-                                on_policy=False)
-  old = np.asarray(batch.old_logprobs)
-  m, b, t = old.shape  # the same shift for a trajectory however many pad the batch
+  batch, = pack_rollouts(trainer, trajs, behaviour)
+  ref = trainer.place(params)
+  old = jax.device_get(trainer.old_policy(trainer.full_params(state), batch.inputs))
+  m, b, t = old.logprobs.shape  # the same shift for a trajectory however many pad the batch
   shift = np.random.default_rng(1).normal(0.0, 0.1, (m, N, t)).astype(np.float32)[:, :b]
-  old = np.where(np.asarray(batch.inputs.completion_mask) > 0, old + shift, 0.0)
-  return trainer.place_batch(dataclasses.replace(batch, old_logprobs=old))
+  mask = np.asarray(batch.inputs.completion_mask) > 0
+  old = OldPolicy(np.where(mask, old.logprobs + shift, 0.0), old.values)
+  scores = SequenceScores.of(len(trajs), adv)
+  return batch, scores, ref, trainer.place_batch(old)
 
 
 def close(actual, expected, what=""):
@@ -60,8 +63,8 @@ def close(actual, expected, what=""):
 
 
 def same_results(a, b):
-  """(state, metrics) pairs: every metric and every updated parameter."""
-  (state_a, metrics_a), (state_b, metrics_b) = jax.device_get((a, b))
+  """(state, metrics, ...) results: every metric and every updated parameter."""
+  (state_a, metrics_a), (state_b, metrics_b) = jax.device_get((a[:2], b[:2]))
   assert set(metrics_a) == set(metrics_b)
   for key in metrics_a:
     close(metrics_a[key], metrics_b[key], key)
@@ -76,10 +79,10 @@ def flops(compiled) -> float:
 def test_batch_rows_and_trajectories_are_split_over_data_and_fsdp():
   trainer = Trainer(CFG, TRAINER, make_mesh(MeshConfig(data=2, fsdp=4)))
   params = params_of(init_model(CFG, 0))
-  batch = sharded_batch(trainer, trainer.init_state(params), params)
-  rows, trajectories = batch.inputs.tokens.shape[1], batch.advantages.shape[1]
+  batch, _, _, old = sharded_batch(trainer, trainer.init_state(params), params)
+  rows, trajectories = batch.inputs.tokens.shape[1], batch.sequence.shape[1]
   assert rows % 8 == 0 and trajectories % 8 == 0
-  for x in jax.tree.leaves(batch):
+  for x in jax.tree.leaves((batch, old)):
     assert x.sharding.spec == PartitionSpec(None, ("data", "fsdp")), x.sharding
     assert x.sharding.shard_shape(x.shape)[1] == x.shape[1] // 8
 
@@ -88,12 +91,15 @@ def test_step_flops_per_device_fall_with_eight_devices():
   params = params_of(init_model(CFG, 0))
   sharded = Trainer(CFG, TRAINER, make_mesh(MeshConfig(fsdp=8)))
   state8 = sharded.init_state(params)
-  batch8 = sharded_batch(sharded, state8, params)
+  inputs8 = sharded_batch(sharded, state8, params)
   single = one_device()
   state1 = single.init_state(params)
-  batch1 = single.place_batch(jax.device_get(batch8))
-  per_device = flops(sharded._step.lower(state8, batch8, False).compile())
-  whole = flops(single._step.lower(state1, batch1, False).compile())
+  batch1, scores, _, old1 = jax.device_get(inputs8)
+  inputs1 = (single.place_batch(batch1), scores, single.place(params), single.place_batch(old1))
+  per_device = flops(sharded._update.lower(state8, inputs8[2], inputs8[0], inputs8[1],
+                                           inputs8[3], ()).compile())
+  whole = flops(single._update.lower(state1, inputs1[2], inputs1[0], inputs1[1], inputs1[3],
+                                     ()).compile())
   print(f"step flops per device: 8 devices {per_device:.4g}, 1 device {whole:.4g}, "
         f"ratio {per_device / whole:.3f}")
   assert per_device <= whole / 6
@@ -105,11 +111,12 @@ def test_sharded_step_equals_the_one_device_step(mesh_cfg):
   params = params_of(init_model(CFG, 0))
   sharded = Trainer(CFG, TRAINER, make_mesh(mesh_cfg))
   state8 = sharded.init_state(params)
-  batch8 = sharded_batch(sharded, state8, params)
+  batch8, scores, ref8, old8 = sharded_batch(sharded, state8, params)
   single = one_device()
-  one = single.step(single.init_state(params), jax.device_get(batch8))
+  one = single.step(single.init_state(params), jax.device_get(batch8), scores, params,
+                    jax.device_get(old8))
   assert bool(one[1]["update_finite"]) and float(one[1]["grad_norm"]) > 0
-  same_results(sharded.step(state8, batch8), one)
+  same_results(sharded.step(state8, batch8, scores, ref8, old8), one)
 
 
 def test_padding_rows_and_trajectories_change_nothing():
@@ -122,18 +129,16 @@ def test_padding_rows_and_trajectories_change_nothing():
     trainer = one_device()
     trainer.batch_shards = shards  # pack as an 8-shard trainer would, run on one device
     state = trainer.init_state(params)
-    batch = jax.device_get(sharded_batch(trainer, state, params, trajs))
+    batch, scores, ref, old = jax.device_get(sharded_batch(trainer, state, params, trajs))
     if shards == 8:
       assert batch.inputs.completion_mask.shape[1] == 24
       assert not batch.inputs.completion_mask[:, 22:].any()
-      batch = dataclasses.replace(batch, **{name: _junk_after(getattr(batch, name), 22)
-                                            for name in PER_TOKEN})
-    results.append(trainer.step(state, batch))
+      batch = dataclasses.replace(batch, behaviour_logprobs=_junk_after(
+          batch.behaviour_logprobs, 22))
+      old = jax.tree.map(lambda x: _junk_after(x, 22), old)
+    results.append(trainer.step(state, batch, scores, ref, old))
   same_results(*results)
 
-
-PER_TOKEN = ("old_logprobs", "behaviour_logprobs", "ref_logprobs", "advantages", "old_values",
-             "returns")
 
 
 def _junk_after(x, real):  # [M, B, T]: NaN in the padding trajectories

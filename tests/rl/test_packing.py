@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, init_model
-from jaxrl_post.rl.packing import Trajectory, pack
+from jaxrl_post.rl.packing import Trajectory, head_tokens, pack, pad_rows, with_head_layout
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, compute_dtype="float32",
@@ -56,3 +56,23 @@ def test_packed_logprobs_equal_unpacked():
     want = [alone[p - 1 + k, c] for k, c in enumerate(t.completion)]
     np.testing.assert_allclose(packed[i, :len(t.completion)], want, atol=1e-5)
     assert np.all(packed[i, len(t.completion):] == 0)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_head_layout_lists_each_completion_position_once_inside_its_row_shard(shards):
+  trajs = trajectories(seed=1, n=9)
+  packed = with_head_layout(pad_rows(pack(trajs, row_tokens=16), 8), shards)
+  n, per_shard = len(packed.head_index), len(packed.head_index) // shards
+  valid = packed.completion_mask > 0
+  # Every completion token's slot holds the position that predicts it, and no two share.
+  np.testing.assert_array_equal(packed.head_index[packed.head_slot[valid]],
+                                packed.completion_index[valid])
+  assert len(set(packed.head_slot[valid].tolist())) == valid.sum()
+  shard_positions = 8 // shards * 16
+  for g in range(shards):  # a shard's entries (padding too) lie in its own rows
+    entries = packed.head_index[g * per_shard:(g + 1) * per_shard]
+    assert np.all(entries // shard_positions == g)
+  assert n % shards == 0 and per_shard >= head_tokens(packed, shards)
+  np.testing.assert_array_equal(packed.gather(packed.targets),
+                                np.where(valid, packed.targets.reshape(-1)[
+                                    packed.head_index][packed.head_slot], 0))

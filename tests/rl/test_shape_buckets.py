@@ -1,7 +1,6 @@
 """Bounded compiled shapes: rows and completion widths come from fixed buckets, so a run
 whose completion lengths vary step to step compiles a few step programs, not one per step."""
 
-import math
 
 import numpy as np
 import pytest
@@ -9,8 +8,8 @@ import pytest
 from jaxrl_post.models import init_model
 from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.packing import Trajectory, bucket, completion_bucket
-from jaxrl_post.rl.trainer import (Trainer, TrainerConfig, pack_micro_batches,
-                                   prepare_step_batches, run_step_batches)
+from jaxrl_post.rl.trainer import (SequenceScores, Trainer, TrainerConfig, pack_micro_batches,
+                                   pack_rollouts)
 from tests.rl.toy_task import CFG
 
 MAX_LEN = 64  # completion lengths 1..64 over the run
@@ -34,7 +33,7 @@ def test_rows_fit_the_batch_shards_and_padding_trajectories_are_empty():
   assert inputs.tokens.shape == (8, 16) and used.sum() == 6  # bucket: a multiple of 8
   assert not inputs.segment_ids[~used].any() and not inputs.targets[~used].any()
   assert inputs.completion_mask.shape == (16, 16)  # 10 trajectories padded to 16
-  assert not inputs.completion_mask[10:].any() and not inputs.completion_index[10:].any()
+  assert not inputs.completion_mask[10:].any() and not inputs.head_slot[10:].any()
 
 
 def run_lengths(longest: int) -> list[Trajectory]:
@@ -54,14 +53,21 @@ def test_varying_completion_lengths_compile_a_bounded_set_of_steps():
     trajs = run_lengths(1 + i * (MAX_LEN - 1) // 19)  # the longest grows 1 -> 64 tokens
     behaviour = [rng.normal(-2.0, 0.1, len(t.completion)).tolist() for t in trajs]
     adv = rng.normal(size=len(trajs)).astype(np.float32)
-    batches = prepare_step_batches(trainer, state, trajs, behaviour, adv, ref_params=params)
-    shapes.append((batches[0].inputs.tokens.shape[1], batches[0].advantages.shape[2]))
-    state, _ = run_step_batches(trainer, state, batches)
-  compiled = trainer._step._cache_size()
-  print(f"(rows, width) per step {shapes}; step compilations {compiled} over 20 steps")
-  assert {t for _, t in shapes} <= {8, 16, 32, 64} and {r for r, _ in shapes} <= {1, 2, 4, 8}
-  assert shapes == sorted(shapes, key=lambda rt: rt[::-1]) == sorted(shapes)  # both rise
-  # Rising together through 4 widths and 4 row counts: at most 4 + 4 - 1 shapes, each
-  # compiled once (no recompilation of a shape already seen).
-  assert compiled == len(set(shapes)) <= math.log2(MAX_LEN) + 1
-  assert trainer._logprobs._cache_size() == len(set(shapes))
+    batches = pack_rollouts(trainer, trajs, behaviour)
+    inputs = batches[0].inputs
+    shapes.append((inputs.tokens.shape[1], inputs.completion_mask.shape[2],
+                   inputs.head_index.shape[1]))
+    state, _ = trainer.update(state, batches, SequenceScores.of(len(trajs), adv), params)
+  compiled = trainer._update._cache_size()
+  print(f"(rows, width, head positions) per step {shapes}; step compilations {compiled} over "
+        "20 steps")
+  rows, widths, heads = ({shape[i] for shape in shapes} for i in range(3))
+  assert widths <= {8, 16, 32, 64} and rows <= {1, 2, 4, 8}
+  assert heads <= {64 * 2 ** k for k in range(5)}
+  assert all(a <= b for earlier, later in zip(shapes, shapes[1:])
+             for a, b in zip(earlier, later))  # all three rise
+  # Rising together through a few widths, row counts and head sizes (each a power of two):
+  # at most one shape per change of one of them, each compiled once (no recompilation of a
+  # shape already seen).
+  assert compiled == len(set(shapes)) <= len(rows) + len(widths) + len(heads) - 2
+  assert trainer._logprobs._cache_size() == 0  # no separate reference or old-policy pass

@@ -13,9 +13,9 @@ from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.forward import PackedInputs
 from jaxrl_post.rl.losses import LossConfig, global_normaliser
 from jaxrl_post.rl.optim import OptimizerConfig
-from jaxrl_post.rl.packing import Trajectory, pack
-from jaxrl_post.rl.trainer import (StepBatch, Trainer, TrainerConfig, stack, to_completion_layout,
-                                   train_on_rollouts)
+from jaxrl_post.rl.packing import PackedBatch, Trajectory, pack, with_head_layout
+from jaxrl_post.rl.trainer import (OldPolicy, Trainer, TrainerConfig, _Micro,
+                                   to_completion_layout, train_on_rollouts)
 from tests.rl.toy_task import CFG, rollout, run_grpo
 
 GRAD_TOL = 1e-6  # f32: the same sums in another order.
@@ -32,9 +32,10 @@ def unpacked(trajs, t):
   rows = [pack([x], row_tokens=16, max_completion=t) for x in trajs]
   cat = lambda name: np.concatenate([getattr(r, name) for r in rows])
   index = np.concatenate([r.completion_index + i * 16 for i, r in enumerate(rows)])
-  return PackedInputs(*(jnp.asarray(a) for a in (
-      cat("tokens"), cat("positions"), cat("segment_ids"), cat("targets"),
-      index * cat("completion_mask").astype(np.int32), cat("completion_mask"))))
+  mask = cat("completion_mask")
+  packed = PackedBatch(cat("tokens"), cat("positions"), cat("segment_ids"), cat("targets"),
+                       index * mask.astype(np.int32), mask, head_index=None, head_slot=None)
+  return PackedInputs.from_packed(with_head_layout(packed))
 
 
 def grads_of(trainer, state, inputs_list, groups, adv, behaviour, t, normaliser):
@@ -44,9 +45,9 @@ def grads_of(trainer, state, inputs_list, groups, adv, behaviour, t, normaliser)
   for inputs, g in zip(inputs_list, groups):
     old = trainer.logprobs(full, inputs)[0]
     zeros = jnp.zeros_like(old)
-    mb = StepBatch(inputs, old, jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)),
-                   old, jnp.asarray(adv[g])[:, None] * inputs.completion_mask, zeros, zeros)
-    g_ = jax.grad(lambda p: trainer._micro_loss(p, state.frozen, mb, normaliser, False)[0])(
+    mb = _Micro(inputs, jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)),
+                jnp.asarray(adv[g]), jnp.zeros(len(g)), OldPolicy(old, zeros))
+    g_ = jax.grad(lambda p: trainer._micro_loss(p, state.frozen, mb, old, normaliser)[0])(
         state.params)
     total = jax.tree.map(jnp.add, total, g_)
   return total
@@ -140,7 +141,7 @@ def test_ppo_with_a_value_head_fits_its_critic():
   value_losses = []
   for i in range(8):
     state, history = train_on_rollouts(trainer, state, trajs, behaviour, rewards=rewards,
-                                       ref_params=params, on_policy=i == 0)
+                                       ref_params=params)
     value_losses.append(history[0]["value_loss"])
   assert value_losses[0] > 0 and value_losses[-1] < 0.5 * value_losses[0], value_losses
 
