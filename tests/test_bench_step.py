@@ -1,0 +1,40 @@
+"""scripts/bench_step.py: a smoke run of the GRPO step benchmark prints every key."""
+
+import importlib.util
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = {"rollout", "reward", "advantage", "pack", "train", "sync", "waiting"}
+
+
+def _bench_step():
+  spec = importlib.util.spec_from_file_location("bench_step",
+                                                os.path.join(ROOT, "scripts", "bench_step.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
+  assert _bench_step().main(["--quick", "--steps", "1", "--warmup", "1", "--devices", "1",
+                             "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["step_s"] > 0 and set(out["phase_s"]) == PHASES
+  assert out["phase_s"]["rollout"] > 0 and out["phase_s"]["train"] > 0
+  assert out["flops_per_step"] == sum(out["flops_per_phase"].values())
+  assert out["flops_per_phase"]["train"] > 0 and out["flops_per_phase"]["rollout"] > 0
+  # Loops counted by their trip counts: above XLA's count, which sees each body once.
+  assert out["flops_per_step"] > out["xla_cost_analysis_flops_per_step"] > 0
+  assert out["achievable_flops_per_s"] == max(m["flops_per_s"]
+                                              for m in out["matmul_benchmark"])
+  assert 0 < out["roofline_fraction"] < 1 and set(out["roofline_fraction_per_phase"]) == PHASES
+  # The trainer's share: one program for the rollout batch, one fetch of its metrics.
+  assert out["program_executions_per_phase"]["train"] == 1
+  assert out["host_round_trips_per_phase"]["train"] == 1
+  assert out["compiled_programs_per_step"] >= len({p["name"] for p in out["programs"]})
+  assert out["program_executions_per_step"] == sum(p["calls"] for p in out["programs"])
+  assert out["host_round_trips_per_step"] >= 1 and out["compilations_in_timed_steps"] == 0
+  assert out["devices"] == 1 and out["workload"]["rollouts"] == 4
