@@ -32,9 +32,9 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     for reference only: XLA counts a loop body once, so it undercounts the scanned layers,
     micro-batches and decode steps by their trip counts.
   achievable_flops_per_s: the best FLOP/s of a matmul microbenchmark in the compute dtype,
-    run in this process before and after the steps at the model's matrix shapes (the token counts of the training
-    forward, the LM head's completion tokens, the decode batch) and at a large square
-    shape; matmul_benchmark lists each shape.
+    run in this process before and after the steps, at the model's matrix shapes (the
+    token counts of the training forward, the LM head's completion tokens, the decode
+    batch) and at a large square shape; matmul_benchmark lists each shape.
   roofline_fraction, roofline_fraction_per_phase: FLOPs / seconds / (achievable FLOP/s x
     devices), for the step and each phase. Host phases (reward, pack) run no device FLOPs.
   host_round_trips_per_step (and per phase): device-to-host fetches in one steady-state
