@@ -130,7 +130,8 @@ def train_step(s: Setting, mesh, largest: int = 0) -> plan.TrainStepMemory:
   cfg = TrainerConfig(row_tokens=s.row_tokens)
   return plan.train_step_memory(s.model, cfg, mesh, rows=s.rows, row_tokens=s.row_tokens,
                                 completion_len=s.completion_len,
-                                sequences=s.rows * s.sequences_per_row, largest=largest)
+                                sequences=s.rows * s.sequences_per_row, largest=largest,
+                                reference_dtype="bfloat16")
 
 
 def decode_temp(s: Setting, rollout_mesh, pages_per_shard: int) -> int:
@@ -161,14 +162,17 @@ def memory_breakdown(s: Setting, device_gb: float, fraction: float) -> dict[str,
   """
   trainer_mesh, rollout_mesh = meshes(s)
   train = train_step(s, trainer_mesh, largest=8)
+  # The step takes the bf16 reference as an argument (it runs the reference forward); the
+  # reference is resident for the whole run, so it is counted once, with the other weights.
+  train_peak = train.peak_bytes - train.reference_bytes
   ref = plan.reference_bytes(s.model, trainer_mesh, "bfloat16")
   rollout = plan.rollout_bytes(s.model, rollout_mesh, "bfloat16")
-  pool, why = pool_beside(s, device_gb, train.peak_bytes, ref + rollout, fraction)
+  pool, why = pool_beside(s, device_gb, train_peak, ref + rollout, fraction)
   pool_bytes, pages = (pool.pool_bytes, pool.pages) if pool else (0, 0)
   tokens = pool.tokens if pool else 0
   state = train.params_bytes + train.frozen_bytes + train.opt_state_bytes
   decode = decode_temp(s, rollout_mesh, max(pages, 2))
-  before_pool = train.peak_bytes + ref + rollout
+  before_pool = train_peak + ref + rollout
   at_decode = state + ref + rollout + pool_bytes + decode
   # A step's rollouts held at once per data shard (no prefix sharing): the least the pool
   # must hold for the planned batch without waiting on free pages.
@@ -178,7 +182,7 @@ def memory_breakdown(s: Setting, device_gb: float, fraction: float) -> dict[str,
   out = {
       "peak_gb": gb(peak),
       "before_pool_gb": gb(before_pool),
-      "train_step_peak_gb": gb(train.peak_bytes),
+      "train_step_peak_gb": gb(train_peak),
       "params_gb": gb(train.params_bytes + train.frozen_bytes),
       "optimizer_state_gb": gb(train.opt_state_bytes),
       "gradients_gb": gb(train.gradient_bytes),
