@@ -28,7 +28,7 @@ from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import LoraConfig
-from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask
+from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask, default_workers
 from jaxrl_post.rl.advantages import AdvantageConfig
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.off_policy import OffPolicyConfig
@@ -95,6 +95,33 @@ class RolloutSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """The verifier pool, which scores each prompt's samples while the engine decodes the rest.
+
+  Attributes:
+    workers: verifier calls at once (default: min(4, this process's CPUs)).
+    timeout_s: longest one call may run; past it the call scores 0 and its worker is
+      replaced.
+    processes: verify in worker processes, so a hung or crashing verifier is killed; False
+      verifies on threads of the trainer (for a task that cannot be pickled), where a hung
+      call can only be abandoned.
+  """
+
+  workers: int = dataclasses.field(default_factory=default_workers)
+  timeout_s: float = 10.0
+  processes: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 1:
+      raise UserError(f"reward spec: workers must be a positive integer, got {self.workers!r}")
+    if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < float("inf"):
+      raise UserError(f"reward spec: timeout_s must be a finite number > 0, "
+                      f"got {self.timeout_s!r}")
+    if not isinstance(self.processes, bool):
+      raise UserError(f"reward spec: processes must be True or False, got {self.processes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSpec:
   """Held-out greedy pass@1. every_n_steps=0 evaluates only at the start and the end."""
 
@@ -149,6 +176,7 @@ class Experiment:
   task: Any = dataclasses.field(default_factory=ArithmeticTask)
   prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
   rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
+  reward: RewardSpec = dataclasses.field(default_factory=RewardSpec)
   advantage: AdvantageConfig = dataclasses.field(default_factory=_grpo)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
   reference: ReferenceSpec = dataclasses.field(default_factory=ReferenceSpec)
@@ -207,8 +235,8 @@ def _register(cls: type) -> None:
   CONFIGURABLES[cls.__name__] = gin.external_configurable(make, name=cls.__name__)
 
 
-for _cls in (ModelSpec, RolloutSpec, EvalSpec, LogSpec, ReferenceSpec, Experiment, ArithmeticTask,
-             CountdownTask, JsonlTask, PromptConfig, AdvantageConfig, LossConfig,
+for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpec, Experiment,
+             ArithmeticTask, CountdownTask, JsonlTask, PromptConfig, AdvantageConfig, LossConfig,
              OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
              CheckpointConfig, LoraConfig):

@@ -1,6 +1,7 @@
 """The synchronous on-policy RL loop, with checkpoints that lose nothing.
 
-One step: prompts (grain) -> rollout engine (K samples each) -> rewards (verifier threads)
+One step: prompts (grain) -> rollout engine (K samples each) -> rewards (verifier processes,
+each prompt's group scored as soon as it is decoded, while the engine decodes the rest)
 -> advantages -> packing -> trainer (one program per minibatch: reference logprobs, loss,
 update, metrics) -> weight sync. Every role is timed; the rest of the step is reported as
 time/waiting. The step's training metrics reach the host in one fetch.
@@ -35,7 +36,7 @@ from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.pipeline.config import Experiment
 from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
-from jaxrl_post.rewards import score_batch
+from jaxrl_post.rewards import VerifierPool
 from jaxrl_post.rl.advantages import sequence_advantages
 from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_rollouts,
@@ -73,6 +74,13 @@ class RLRun:
                                    self.tokenizer.stop_ids)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
     self._initial_params = params
+    self._step = 0  # The last step run: labels eval calls in the dead-letter file.
+    # Started last (workers come up while the run restores or warms up); process 0 alone
+    # writes files other than checkpoints.
+    dead_letter = os.path.join(workdir, "dead_letter.jsonl")
+    self.pool = VerifierPool(self.task, workers=exp.reward.workers,
+                             timeout_s=exp.reward.timeout_s, processes=exp.reward.processes,
+                             dead_letter=dead_letter if jax.process_index() == 0 else None)
 
   # ------------------------------------------------------------------ start
 
@@ -175,14 +183,16 @@ class RLRun:
   def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
     exp, k = self.exp, self.exp.rollout.group_size
     problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
-    with timer.role("rollout"):
+    self._step = step
+    scoring = rollouts.Scoring(self.pool, self.tokenizer, "train", step)
+    with timer.role("rollout"):  # Each finished group goes to the verifiers meanwhile.
       t0 = time.perf_counter()
       groups = rollouts.sample_groups(self.engine, problems, prompt_ids, k, self.sampling,
-                                      exp.rollout.scheduler, exp.seed, step)
+                                      exp.rollout.scheduler, exp.seed, step,
+                                      on_group=scoring.submit)
       metrics = rollouts.rollout_metrics(groups, time.perf_counter() - t0)
-    with timer.role("reward"):
-      rewards, stats = score_batch(self.task, [g.problem for g in groups for _ in range(k)],
-                                   rollouts.completion_texts(self.tokenizer, groups))
+    with timer.role("reward"):  # Only the calls still running once decoding is done.
+      rewards, stats = scoring.results(groups)
     trajs, behaviour = rollouts.flatten(groups)
     with timer.role("advantage"):  # Group statistics of the whole batch, left on the device.
       scores = SequenceScores(sequence_advantages(rewards, exp.advantage), rewards)
@@ -207,7 +217,7 @@ class RLRun:
   def evaluate(self) -> dict[str, float]:
     return rollouts.evaluate(self.engine, self.tokenizer, self.task, self.eval_problems,
                              self.exp.prompts, self.exp.rollout.max_new_tokens,
-                             self.exp.rollout.scheduler)
+                             self.exp.rollout.scheduler, pool=self.pool, step=self._step)
 
   # ------------------------------------------------------------------ checkpoints
 
@@ -218,7 +228,10 @@ class RLRun:
     self.checkpointer.save(progress.step, self.state, meta, self.ref)
 
   def close(self) -> None:
-    self.checkpointer.close()
+    try:
+      self.pool.close()
+    finally:
+      self.checkpointer.close()
 
 
 def _eval_problems(task, num: int) -> list:

@@ -1,22 +1,27 @@
-"""Rollout-side helpers of the loop: requests, grouped completions, held-out evaluation.
+"""Rollout-side helpers of the loop: grouped completions, scoring as groups finish, evaluation.
 
 Every request's seed is a function of (run seed, RL step, prompt index) only, so a resumed
 run samples exactly what the uninterrupted run sampled.
+
+Rewards overlap decoding: the scheduler is stepped here, and each prompt's K samples go to
+the verifier pool the moment the last of them finishes, while the engine keeps decoding the
+other prompts. What is left for the reward role once decoding ends is the last groups' calls.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.models import Tokenizer
-from jaxrl_post.rewards import Problem, Task, score_batch
+from jaxrl_post.rewards import Problem, Task, VerifierPool, VerifierStats
 from jaxrl_post.rl.packing import Trajectory
-from jaxrl_post.rollout import Engine, Request, SamplingParams, generate
-from jaxrl_post.rollout.scheduler import Completion, SchedulerConfig
+from jaxrl_post.rollout import Engine, SamplingParams
+from jaxrl_post.rollout.scheduler import Completion, Scheduler, SchedulerConfig
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -34,11 +39,56 @@ class Group:
 
 def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence[list[int]],
                   k: int, sampling: SamplingParams, scheduler: SchedulerConfig, seed: int,
-                  step: int) -> list[Group]:
-  requests = [Request(tuple(ids), seed=request_seed(seed, step, i))
-              for i, ids in enumerate(prompts)]
-  out = generate(engine, requests, n=k, sampling=sampling, scheduler=scheduler)
-  return [Group(p, list(ids), c) for p, ids, c in zip(problems, prompts, out)]
+                  step: int,
+                  on_group: Optional[Callable[[int, Group], None]] = None) -> list[Group]:
+  """K samples of each prompt, in prompt order.
+
+  The scheduler is driven as `rollout.generate` drives it (same requests, seeds and steps),
+  so the samples are the same; stepping it here lets `on_group(i, group)` run as soon as
+  prompt i's samples are all done, while the others still decode.
+  """
+  sched = Scheduler(engine, scheduler)
+  rids = [sched.submit(tuple(ids), sampling, n=k, seed=request_seed(seed, step, i))
+          for i, ids in enumerate(prompts)]
+  index = {rid: i for i, rid in enumerate(rids)}
+  left = collections.Counter({rid: k for rid in rids})
+  while not sched.idle:
+    for rid, _, _ in sched.step():
+      left[rid] -= 1
+      if left[rid] == 0 and on_group is not None:
+        i = index[rid]
+        on_group(i, Group(problems[i], list(prompts[i]), sched.results[rid]))
+  return [Group(p, list(ids), sched.results[rid]) for p, ids, rid in zip(problems, prompts, rids)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """One batch's scoring on the verifier pool: `submit` is `sample_groups`' on_group.
+
+  Attributes:
+    pool: The run's verifier pool.
+    tokenizer: Decodes completions to the text verifiers read.
+    tag: Names the batch in the pool's keys ("train", "eval"), so two never collide.
+    step: The RL step, in the keys and in dead-letter lines.
+  """
+
+  pool: VerifierPool
+  tokenizer: Tokenizer
+  tag: str
+  step: int
+
+  def key(self, index: int, sample: int) -> Hashable:
+    return (self.tag, self.step, index, sample)
+
+  def submit(self, index: int, group: Group) -> None:
+    for j, c in enumerate(group.completions):
+      text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+      self.pool.submit(self.key(index, j), group.problem, text, step=self.step)
+
+  def results(self, groups: Sequence[Group]) -> tuple[np.ndarray, VerifierStats]:
+    """float32 rewards [samples] in `flatten`'s order; blocks for the calls still running."""
+    return self.pool.results([self.key(i, j) for i, g in enumerate(groups)
+                              for j in range(len(g.completions))])
 
 
 def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], list[tuple[float, ...]]]:
@@ -49,11 +99,6 @@ def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], list[tuple[float
       trajs.append(Trajectory(g.prompt, c.tokens))
       behaviour.append(c.logprobs)
   return trajs, behaviour
-
-
-def completion_texts(tokenizer: Tokenizer, groups: Sequence[Group]) -> list[str]:
-  return [tokenizer.decode(c.tokens, skip_special_tokens=True)
-          for g in groups for c in g.completions]
 
 
 def rollout_metrics(groups: Sequence[Group], seconds: float) -> dict[str, float]:
@@ -69,9 +114,16 @@ def rollout_metrics(groups: Sequence[Group], seconds: float) -> dict[str, float]
 
 
 def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequence[Problem],
-             prompt_cfg: PromptConfig, max_new_tokens: int,
-             scheduler: SchedulerConfig) -> dict[str, float]:
-  """Greedy pass@1 on held-out problems (prompts over the budget are skipped, counted)."""
+             prompt_cfg: PromptConfig, max_new_tokens: int, scheduler: SchedulerConfig, *,
+             pool: Optional[VerifierPool] = None, step: int = 0) -> dict[str, float]:
+  """Greedy pass@1 on held-out problems (prompts over the budget are skipped, counted).
+
+  Scored as groups finish, on `pool` (a run's own), or on a default pool for this call.
+  """
+  if pool is None:
+    with VerifierPool(task) as own:
+      return evaluate(engine, tokenizer, task, problems, prompt_cfg, max_new_tokens,
+                      scheduler, pool=own, step=step)
   kept, prompts = [], []
   for p in problems:
     ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
@@ -80,8 +132,11 @@ def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequenc
       prompts.append(ids)
   sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
                             stop_ids=tokenizer.stop_ids)
-  groups = sample_groups(engine, kept, prompts, 1, sampling, scheduler, seed=0, step=0)
-  rewards, stats = score_batch(task, kept, completion_texts(tokenizer, groups))
+  scoring = Scoring(pool, tokenizer, "eval", step)
+  groups = sample_groups(engine, kept, prompts, 1, sampling, scheduler, seed=0, step=0,
+                         on_group=scoring.submit)
+  rewards, stats = scoring.results(groups)
+  # Counts only: eval lines must be the same in a resumed run, and timings never are.
   return {"eval/accuracy": float(np.mean(rewards)) if len(kept) else 0.0,
           "eval/problems": len(kept), "eval/skipped": len(problems) - len(kept),
-          **{f"eval/{k.split('/', 1)[1]}": v for k, v in stats.as_metrics().items()}}
+          **{f"eval/{name}": n for name, n in stats.counts().items()}}

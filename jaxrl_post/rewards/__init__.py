@@ -1,7 +1,7 @@
-"""Tasks with verifiable rewards, and the dispatcher that scores completions for them.
+"""Tasks with verifiable rewards, and the verifier pools that score completions for them.
 
-A leaf package: it must not import jax, because verifiers run on CPU worker threads (and
-in processes that never touch an accelerator).
+A leaf package: it must not import jax, because verifiers run in worker processes that never
+touch an accelerator (and on CPU worker threads).
 """
 
 from jaxrl_post.rewards.arithmetic import ArithmeticTask
@@ -9,6 +9,7 @@ from jaxrl_post.rewards.base import Problem, Task
 from jaxrl_post.rewards.countdown import CountdownTask
 from jaxrl_post.rewards.dispatch import ScoreStats, score_batch
 from jaxrl_post.rewards.math_data import JsonlTask
+from jaxrl_post.rewards.pool import VerifierPool, VerifierStats, default_workers
 
 # Name -> task class, for configs that pick a task by string.
 TASKS: dict[str, type] = {
@@ -18,4 +19,4 @@ TASKS: dict[str, type] = {
 }
 
 __all__ = ["ArithmeticTask", "CountdownTask", "JsonlTask", "Problem", "ScoreStats", "TASKS",
-           "Task", "score_batch"]
+           "Task", "VerifierPool", "VerifierStats", "default_workers", "score_batch"]

@@ -9,6 +9,9 @@ Threads cannot be killed, so a call past its deadline is abandoned: its worker k
 until the call returns (its result is then dropped) and a fresh worker takes its place, so
 the rest of the batch still runs `workers` wide. Workers are daemon threads, which a stuck
 verifier cannot use to block interpreter exit (ThreadPoolExecutor's threads would).
+
+This is the simple in-process scorer for a finished batch. The trainer uses `pool.VerifierPool`
+instead: worker processes that can be killed, fed group by group while decoding goes on.
 """
 
 from __future__ import annotations
@@ -114,13 +117,8 @@ class _Batch:
 
   def _score(self, index: int) -> tuple[float, str | None]:
     """(reward, None), or (0.0, a one-line description) when the verifier failed."""
-    try:
-      reward = float(self.task.score(self.problems[index], self.completions[index]))
-      if not math.isfinite(reward):  # NaN would poison every advantage in its group.
-        raise ValueError(f"non-finite reward {reward}")
-      return reward, None
-    except Exception as e:  # Any verifier failure is a zero reward, never a crash.
-      return 0.0, _describe(self.problems[index], e)
+    reward, _, error = verify(self.task, self.problems[index], self.completions[index])
+    return reward, error
 
   def wait(self, timeout_s: float) -> None:
     """Returns once every call has finished or been abandoned at its deadline."""
@@ -139,6 +137,22 @@ class _Batch:
           # that starts meanwhile is due later than that, so no deadline is missed.
           deadline = min(self.running.values(), default=now) + timeout_s
           self.cond.wait(max(deadline - now, 1e-3))
+
+
+def verify(task: Task, problem: Problem, completion: str) -> tuple[float, str | None, str | None]:
+  """One verifier call with its failure contained, as the thread and process pools make it.
+
+  Returns:
+    (reward, None, None), or (0.0, the exception's type name, a one-line description)
+    when the verifier raised or returned a non-finite reward.
+  """
+  try:
+    reward = float(task.score(problem, completion))
+    if not math.isfinite(reward):  # NaN would poison every advantage in its group.
+      raise ValueError(f"non-finite reward {reward}")
+    return reward, None, None
+  except Exception as e:  # Any verifier failure is a zero reward, never a crash.
+    return 0.0, type(e).__name__, _describe(problem, e)
 
 
 def _describe(problem: Problem, error: Exception) -> str:
