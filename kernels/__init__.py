@@ -26,6 +26,7 @@ from jaxrl_post.kernels.chunked_logprob import (
     chunked_logprob_reference,
 )
 from jaxrl_post.kernels.packed_attention import (
+    RESIDUAL_NAMES as PACKED_ATTENTION_RESIDUALS,
     PackedAttentionConfig,
     packed_attention,
     packed_attention_reference,
@@ -41,6 +42,7 @@ from jaxrl_post.kernels.paged_attention import (
 )
 
 __all__ = [
+    "PACKED_ATTENTION_RESIDUALS",
     "CascadeAttentionConfig",
     "ChunkedLogprobConfig",
     "PackedAttentionConfig",

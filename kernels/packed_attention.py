@@ -44,12 +44,25 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 BACKENDS = ("triton", "splash", "blocked")
 _NO_SEGMENT = np.iinfo(np.int32).max
+
+
+# Names of the kernels' backward residuals, for activation-checkpointing policies. Under
+# jax.checkpoint the forward's inner ops are visible to the policy: a policy that saves every
+# dot (dots_saveable) would save the blocked kernel's [block, block] score tiles of every
+# tile pair, i.e. [S, S] memory again. Saving these two names instead (`save_only_these_names`)
+# keeps the output and log-sum-exp, from which the backward recomputes the tiles.
+RESIDUAL_NAMES = ("packed_attention_out", "packed_attention_lse")
+
+
+def _named_residuals(o, lse):
+  return checkpoint_name(o, RESIDUAL_NAMES[0]), checkpoint_name(lse, RESIDUAL_NAMES[1])
 
 
 def _precision(dtype):
@@ -291,7 +304,7 @@ def _flash(q, k, v, seg, sm_scale, window, cfg, interpret):
 
 
 def _flash_fwd(q, k, v, seg, sm_scale, window, cfg, interpret):
-  o, lse = _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret)
+  o, lse = _named_residuals(*_fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret))
   return o, (q, k, v, seg, o, lse)
 
 
@@ -485,7 +498,7 @@ def _blocked(q, k, v, seg, window, block):
 
 
 def _blocked_fwd(q, k, v, seg, window, block):
-  o, lse = _blocked_forward(q, k, v, seg, window, block)
+  o, lse = _named_residuals(*_blocked_forward(q, k, v, seg, window, block))
   return o, (q, k, v, seg, o, lse)
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_post.kernels import PACKED_ATTENTION_RESIDUALS
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.sharding import constrain
@@ -36,10 +37,16 @@ _HEADS = ("batch", None, "heads", None)  # [B, T, Hq, hd]
 _KV_HEADS = ("batch", None, "kv_heads", None)  # [B, T, Hkv, hd]
 _MLP = ("batch", None, "mlp")  # [B, T, F]
 
+_P = jax.checkpoint_policies
+# "dots" saves the projections' outputs and the attention kernel's own residuals (output and
+# log-sum-exp), never attention scores: dots_saveable would also save the blocked kernel's
+# score tiles (its forward runs inside this checkpoint), the [S, S] memory the kernel avoids.
+# The projections are the dots without batch dimensions; attention's carry batch and heads.
 _REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _P.nothing_saveable,
+    "dots": _P.save_from_both_policies(_P.dots_with_no_batch_dims_saveable,
+                                       _P.save_only_these_names(*PACKED_ATTENTION_RESIDUALS)),
+    "dots_no_batch": _P.dots_with_no_batch_dims_saveable,
 }
 
 

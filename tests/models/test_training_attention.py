@@ -1,7 +1,9 @@
 """The packed forward's attention: long rows take the blocked (or kernel) path, which equals
 the plain masked softmax in values and gradients and never holds [S, S] float32 scores."""
 
+import contextlib
 import functools
+import io
 import re
 
 import jax
@@ -131,6 +133,28 @@ def test_tiles_are_not_hoisted_out_of_a_layer_scan():
   w, x = jnp.zeros((2, hq * d, hq * d)), jnp.zeros((b, s, hq * d))
   compiled = jax.jit(jax.grad(loss)).lower(w, x).compile()
   assert max(f32_sizes(compiled.as_text())) < s * s
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch"])
+def test_no_remat_policy_saves_the_blocked_kernels_score_tiles(remat):
+  """Inside the layer's checkpoint the kernel's forward is visible to the policy; "dots"
+  once saved every [block, block] score tile of every tile pair and layer ([S, S] per head
+  again: 1.1 GB per row for SmolLM2 at 1024 tokens). Only the kernel's own residuals (its
+  output and log-sum-exp) and the projections may be saved."""
+  s, block = 256, 32
+  model = init_model(tiny(remat=remat, max_position_embeddings=s), seed=1)
+  seg = jnp.asarray(np.repeat([1, 2], [160, 96])[None], jnp.int32)
+  tokens, pos = jnp.zeros((1, s), jnp.int32), positions_from_segments(seg)
+  attention = L.TrainingAttention(plain_max_len=0, kernel=PackedAttentionConfig(
+      backend="blocked", jnp_block=block))
+  graphdef, state = nnx.split(model)
+  loss = lambda state: jnp.sum(nnx.merge(graphdef, state)(tokens, pos, seg,
+                                                          attention=attention))
+  listing = io.StringIO()
+  with contextlib.redirect_stdout(listing):  # one line per residual: "f32[...] from ..."
+    jax.ad_checkpoint.print_saved_residuals(loss, state)
+  sizes = f32_sizes(listing.getvalue())
+  assert sizes and max(sizes) < s * s, sorted(sizes)[-3:]  # tiles: n * n * block^2 per head
 
 
 def model_loss(model, tokens, positions, segments, attention):
