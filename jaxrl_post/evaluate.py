@@ -58,6 +58,7 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
 
   from jaxrl_post.models.transformer import abstract_model, logical_axes
   from jaxrl_post.pipeline import rollouts
+  from jaxrl_post.rewards import VerifierPool
   from jaxrl_post.rollout import Engine
   from jaxrl_post.sharding import WeightSync, build_meshes
 
@@ -74,8 +75,10 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
   if len(split) == 0:
     raise UserError("the task's eval split is empty")
   problems = [split[i] for i in range(min(exp.eval.num_problems, len(split)))]
-  return rollouts.evaluate(engine, tokenizer, exp.task, problems, exp.prompts,
-                           exp.rollout.max_new_tokens, exp.rollout.scheduler)
+  with VerifierPool(exp.task, workers=exp.reward.workers, timeout_s=exp.reward.timeout_s,
+                    processes=exp.reward.processes) as pool:  # as the run's, RewardSpec's
+    return rollouts.evaluate(engine, tokenizer, exp.task, problems, exp.prompts,
+                             exp.rollout.max_new_tokens, exp.rollout.scheduler, pool=pool)
 
 
 def run(args) -> dict:

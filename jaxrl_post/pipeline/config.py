@@ -206,7 +206,7 @@ def _build(cls: type, default: Any = None, given: Optional[dict] = None) -> Any:
   """
   kwargs = dict(given) if given is not None else gin.get_bindings(_NAMES[cls])
   for field in dataclasses.fields(cls):
-    if field.name in kwargs:
+    if field.name in kwargs or not field.init:  # init=False: the class computes it
       continue
     if default is not None:
       value = getattr(default, field.name)

@@ -104,3 +104,13 @@ def test_every_place_of_a_class_has_its_own_scope():
   for name, where in config.places().items():
     scopes = [w.rsplit(".", 1)[-1] for w in where]
     assert len(set(scopes)) == len(scopes), (name, where)
+
+
+def test_a_task_left_at_its_default_is_built(tmp_path):
+  """Experiment.task defaults to an ArithmeticTask, whose init=False fields (its splits)
+  the builder must leave to the class."""
+  gin_file = tmp_path / "minimal.gin"
+  gin_file.write_text("Experiment.steps = 1\nModelSpec.source = 'tiny'\n"
+                      "ModelSpec.tokenizer = 'chars'\n")
+  exp, _ = train.prepare([f"--gin_file={gin_file}", f"--workdir={tmp_path / 'run'}"])
+  assert type(exp.task).__name__ == "ArithmeticTask" and len(exp.task.split("eval")) > 0

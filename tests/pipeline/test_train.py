@@ -22,7 +22,8 @@ FAST = ["Experiment.steps = 5", "SftConfig.steps = 4", "EvalSpec.every_n_steps =
         "PlacementConfig.num_devices = 1", "OptimizerConfig.total_steps = 10"]
 # Wall-clock figures and this process's compile counts differ between any two runs (a
 # resumed process compiles afresh); everything else must not.
-TIMING = ("time/", "rollout/tokens_per_s", "compile/")
+TIMING = ("time/", "rollout/tokens_per_s", "compile/", "reward/wait_s",
+          "verifier/seconds_per_sample")
 
 
 def _argv(workdir, extra=()):

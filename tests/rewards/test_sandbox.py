@@ -29,6 +29,9 @@ def run(source, tests=None, **limits):
 # What a run may leave behind: processes, temporary directories, memory.
 
 
+MULTIPROCESSING_HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
 def sandbox_processes() -> list[str]:
   """Processes of our runs: the boot script's (and its forks'), or our own children.
 
@@ -43,6 +46,8 @@ def sandbox_processes() -> list[str]:
     except OSError:
       continue  # Gone since listdir.
     uid, ppid = int(status["Uid"].split()[0]), int(status["PPid"])
+    if any(helper in cmdline for helper in MULTIPROCESSING_HELPERS):
+      continue  # Live as long as this interpreter once a verifier pool has run in it.
     if BOOT in cmdline.split(b"\0") or ppid == os.getpid():
       found.append(f"{pid} uid={uid} ppid={ppid} {cmdline[:80]!r}")
   return found
