@@ -28,7 +28,8 @@ from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import LoraConfig
-from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask, default_workers
+from jaxrl_post.rewards import (ArithmeticTask, ComposedTask, CountdownTask, FormatReward,
+                                HumanEvalTask, JsonlTask, LengthPenalty, default_workers)
 from jaxrl_post.rl.advantages import AdvantageConfig
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.off_policy import OffPolicyConfig
@@ -239,7 +240,8 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              ArithmeticTask, CountdownTask, JsonlTask, PromptConfig, AdvantageConfig, LossConfig,
              OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
-             CheckpointConfig, LoraConfig):
+             CheckpointConfig, LoraConfig, HumanEvalTask, ComposedTask, FormatReward,
+             LengthPenalty):
   _register(_cls)
 
 
