@@ -136,6 +136,9 @@ def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequenc
   groups = sample_groups(engine, kept, prompts, 1, sampling, scheduler, seed=0, step=0,
                          on_group=scoring.submit)
   rewards, stats = scoring.results(groups)
+  if stats.parts and any(p is not None and "correctness" in p for p in stats.parts):
+    # A composed reward: accuracy is pass@1, not the shaped total (format bonus included).
+    rewards = [p["correctness"] if p is not None else 0.0 for p in stats.parts]
   # Counts only: eval lines must be the same in a resumed run, and timings never are.
   return {"eval/accuracy": float(np.mean(rewards)) if len(kept) else 0.0,
           "eval/problems": len(kept), "eval/skipped": len(problems) - len(kept),

@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl_post.rewards.base import Problem, Task
+from jaxrl_post.rewards.compose import score_with_parts
 
 _MAX_ERROR_CHARS = 300
 
@@ -117,7 +118,7 @@ class _Batch:
 
   def _score(self, index: int) -> tuple[float, str | None]:
     """(reward, None), or (0.0, a one-line description) when the verifier failed."""
-    reward, _, error = verify(self.task, self.problems[index], self.completions[index])
+    reward, _, _, error = verify(self.task, self.problems[index], self.completions[index])
     return reward, error
 
   def wait(self, timeout_s: float) -> None:
@@ -139,20 +140,23 @@ class _Batch:
           self.cond.wait(max(deadline - now, 1e-3))
 
 
-def verify(task: Task, problem: Problem, completion: str) -> tuple[float, str | None, str | None]:
+def verify(task: Task, problem: Problem,
+           completion: str) -> tuple[float, dict | None, str | None, str | None]:
   """One verifier call with its failure contained, as the thread and process pools make it.
 
   Returns:
-    (reward, None, None), or (0.0, the exception's type name, a one-line description)
-    when the verifier raised or returned a non-finite reward.
+    (reward, parts, None, None), parts being the reward's named components for a task that
+    has them (`compose.ComponentScorer`) and None otherwise; or (0.0, None, the exception's
+    type name, a one-line description) when the verifier raised or returned a non-finite
+    reward.
   """
   try:
-    reward = float(task.score(problem, completion))
+    reward, parts = score_with_parts(task, problem, completion)
     if not math.isfinite(reward):  # NaN would poison every advantage in its group.
       raise ValueError(f"non-finite reward {reward}")
-    return reward, None, None
+    return reward, parts, None, None
   except Exception as e:  # Any verifier failure is a zero reward, never a crash.
-    return 0.0, type(e).__name__, _describe(problem, e)
+    return 0.0, None, type(e).__name__, _describe(problem, e)
 
 
 def _describe(problem: Problem, error: Exception) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards.base import Problem, Task
+from jaxrl_post.rewards.compose import reward_metrics
 from jaxrl_post.rewards.dispatch import verify
 
 KINDS = ("error", "timeout", "crash")  # The failure types a dead-letter line can carry.
@@ -70,6 +71,8 @@ class VerifierStats:
     error_types: Errors by exception type name, e.g. {"ValueError": 2}.
     busy_s: Seconds the workers spent on these samples, deadline-cut calls included.
     wait_s: Seconds `results` blocked: how long the caller waited once it had to.
+    parts: Per sample, in the keys' order, the reward's named components (None for a
+      failed call, or a task without components).
   """
 
   samples: int = 0
@@ -79,6 +82,7 @@ class VerifierStats:
   error_types: Mapping[str, int] = dataclasses.field(default_factory=dict)
   busy_s: float = 0.0
   wait_s: float = 0.0
+  parts: tuple = ()
 
   def counts(self) -> dict[str, int]:
     """The failure counts alone: deterministic for a deterministic verifier."""
@@ -89,6 +93,8 @@ class VerifierStats:
                              "verifier/seconds_per_sample": self.busy_s / max(self.samples, 1)}
     out.update({f"verifier/{name}": n for name, n in self.counts().items()})
     out.update({f"verifier/errors/{name}": n for name, n in sorted(self.error_types.items())})
+    names = list(dict.fromkeys(name for p in self.parts if p is not None for name in p))
+    out.update(reward_metrics(names, self.parts) if names else {})  # reward/<component>
     return out
 
 
@@ -97,6 +103,7 @@ class _Outcome(NamedTuple):
   kind: str  # "ok" or one of KINDS.
   error_type: str | None
   seconds: float
+  parts: dict | None  # The reward's named components, for a task that has them.
 
 
 @dataclasses.dataclass
@@ -109,7 +116,8 @@ class _Job:
 
 
 def _serve(conn: connection.Connection, task: Task, own_process: bool) -> None:
-  """A worker's loop: (problem, completion) in, `verify`'s (reward, type, reason) out."""
+  """A worker's loop: (problem, completion) in, `verify`'s (reward, parts, type, reason)
+  out."""
   if own_process:
     # Ctrl-C reaches the whole process group; the trainer handles it and closes the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -396,8 +404,9 @@ class VerifierPool:
           self._cond.notify_all()
           continue
         job, w.job = w.job, None
-        reward, error_type, reason = message
-        self._finish(job, "ok" if error_type is None else "error", reason, reward, error_type)
+        reward, parts, error_type, reason = message
+        self._finish(job, "ok" if error_type is None else "error", reason, reward, error_type,
+                     parts)
     except (EOFError, OSError):
       gone = True
     if gone or (w.sentinel is not None and not w.proc.is_alive()):
@@ -440,11 +449,11 @@ class VerifierPool:
     self._queue.clear()
 
   def _finish(self, job: _Job, kind: str, reason: str | None, reward: float = 0.0,
-              error_type: str | None = None) -> None:
+              error_type: str | None = None, parts: dict | None = None) -> None:
     if self._jobs.pop(job.key, None) is None:
       return  # Already failed (e.g. by `_give_up`) before its worker answered.
     seconds = time.monotonic() - job.started if job.started else 0.0
-    self._done[job.key] = _Outcome(reward, kind, error_type, seconds)
+    self._done[job.key] = _Outcome(reward, kind, error_type, seconds, parts)
     if kind != "ok":
       self._write_dead_letter(job, kind, reason or "")
     self._cond.notify_all()
@@ -478,4 +487,5 @@ def _stats(outcomes: Sequence[_Outcome], wait_s: float) -> VerifierStats:
   types = collections.Counter(o.error_type for o in outcomes if o.kind == "error")
   return VerifierStats(samples=len(outcomes), errors=kinds["error"], timeouts=kinds["timeout"],
                        crashes=kinds["crash"], error_types=dict(types),
-                       busy_s=sum(o.seconds for o in outcomes), wait_s=wait_s)
+                       busy_s=sum(o.seconds for o in outcomes), wait_s=wait_s,
+                       parts=tuple(o.parts for o in outcomes))

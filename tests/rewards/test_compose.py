@@ -163,3 +163,21 @@ def test_scores_in_worker_processes():
   assert rewards.tolist() == pytest.approx([1.0 + 0.2 + length, 0.0])
   assert stats.counts() == {"errors": 0, "timeouts": 0, "crashes": 0}
   assert math.isclose(task.score(p, p.answer), rewards[0], rel_tol=1e-6)
+  # Each sample's parts come back with its reward; the step logs their means.
+  metrics = stats.as_metrics()
+  assert stats.parts[1] == {"correctness": 0.0, "format": 0.0, "length": 0.0}
+  assert metrics["reward/correctness"] == 0.5 and metrics["reward/format"] == 0.5
+  assert metrics["reward/length"] == pytest.approx(length / 2)
+
+
+def test_thread_workers_report_the_parts_too():
+  """Evaluation reads correctness from the parts: pass@1, not the shaped total."""
+  task = ComposedTask(ArithmeticTask(num_train=10, num_eval=4),
+                      components=[FormatReward(r"\d")], weights=[0.5])
+  p = task.split("eval")[0]
+  with VerifierPool(task, workers=1, timeout_s=30.0, processes=False) as pool:
+    pool.submit(0, p, p.answer)
+    pool.submit(1, p, "7" if p.answer != "7" else "8")
+    _, stats = pool.results([0, 1])
+  assert [q["correctness"] for q in stats.parts] == [1.0, 0.0]
+  assert stats.as_metrics()["reward/format"] == 1.0
