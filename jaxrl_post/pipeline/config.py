@@ -28,9 +28,10 @@ from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import LoraConfig
-from jaxrl_post.rewards import (ArithmeticTask, ComposedTask, CountdownTask, FormatReward,
-                                HumanEvalTask, JsonlTask, LengthPenalty, default_workers)
-from jaxrl_post.rl.advantages import AdvantageConfig
+from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask, default_workers
+from jaxrl_post.pipeline.dynamic import DynamicSamplingSpec
+from jaxrl_post.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from jaxrl_post.rl.dapo import OverlongConfig
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.off_policy import OffPolicyConfig
 from jaxrl_post.rl.optim import OptimizerConfig
@@ -169,7 +170,12 @@ def _grpo() -> AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-  """One RL run. AdvantageConfig.group_size is always RolloutSpec.group_size."""
+  """One RL run. AdvantageConfig.group_size is always RolloutSpec.group_size.
+
+  The algorithm is chosen by its parts: GRPO-family estimators under `advantage`; PPO with
+  a critic is `advantage` "gae" with a value-head model (ModelSpec.overrides value_head);
+  DAPO adds `dynamic_sampling`, `overlong` and LossConfig.clip_high to GRPO.
+  """
 
   steps: int = 100
   seed: int = 0
@@ -187,6 +193,8 @@ class Experiment:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
   logging: LogSpec = dataclasses.field(default_factory=LogSpec)
+  dynamic_sampling: Optional[DynamicSamplingSpec] = None  # DAPO: refill constant groups.
+  overlong: Optional[OverlongConfig] = None  # DAPO: soft overlong reward penalty.
 
   def __post_init__(self):
     if not isinstance(self.steps, int) or self.steps < 1:
@@ -242,6 +250,8 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
              CheckpointConfig, LoraConfig, HumanEvalTask, ComposedTask, FormatReward,
              LengthPenalty):
+  _register(_cls)
+for _cls in (DynamicSamplingSpec, OverlongConfig):
   _register(_cls)
 
 
@@ -317,7 +327,39 @@ def validate(exp: Experiment) -> Experiment:
   if need > exp.trainer.row_tokens:
     raise UserError(f"config: max_prompt_tokens + max_new_tokens = {need} exceeds "
                     f"TrainerConfig.row_tokens = {exp.trainer.row_tokens}")
-  return dataclasses.replace(exp, advantage=adv)
+  _check_dapo(exp)
+  return dataclasses.replace(exp, advantage=adv, trainer=_with_critic(exp, adv))
+
+
+def _with_critic(exp: Experiment, adv: AdvantageConfig):
+  """The trainer config, its GAE constants taken from Experiment.advantage for PPO.
+
+  A value-head model trains with GAE inside the trainer's programs, and GAE needs the
+  critic: each without the other would silently train something else.
+  """
+  critic = bool(dict(exp.model.overrides).get("value_head", False))
+  per_token = ADVANTAGE_ESTIMATORS.get(adv.name).per_token
+  if critic and not per_token:
+    raise UserError(f"config: a value-head model (ModelSpec.overrides value_head) trains with "
+                    f"GAE; set advantage/AdvantageConfig.name = 'gae', not {adv.name!r}")
+  if per_token and not critic:
+    raise UserError(f"config: advantage/AdvantageConfig.name = {adv.name!r} needs a critic; "
+                    f"add 'value_head': True to ModelSpec.overrides")
+  if not per_token:
+    return exp.trainer
+  if exp.trainer.gae != TrainerConfig().gae:
+    raise UserError("config: set GAE's constants on advantage/AdvantageConfig "
+                    "(Experiment.advantage), not gae/AdvantageConfig")
+  return dataclasses.replace(exp.trainer, gae=adv)
+
+
+def _check_dapo(exp: Experiment) -> None:
+  if exp.dynamic_sampling is not None and exp.rollout.group_size < 2:
+    raise UserError(f"config: Experiment.dynamic_sampling needs RolloutSpec.group_size >= 2, "
+                    f"got {exp.rollout.group_size}")
+  if exp.overlong is not None and exp.overlong.max_length > exp.rollout.max_new_tokens:
+    raise UserError(f"config: OverlongConfig.max_length = {exp.overlong.max_length} exceeds "
+                    f"RolloutSpec.max_new_tokens = {exp.rollout.max_new_tokens}")
 
 
 def _first_lines(e: BaseException) -> str:

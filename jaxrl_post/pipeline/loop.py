@@ -6,12 +6,18 @@ each prompt's group scored as soon as it is decoded, while the engine decodes th
 update, metrics) -> weight sync. Every role is timed; the rest of the step is reported as
 time/waiting. The step's training metrics reach the host in one fetch.
 
+The algorithm changes the data path in three places, each a function of its own: DAPO's
+dynamic sampling draws further rollout rounds to replace groups whose rewards do not vary
+(`dynamic.refill`), its overlong penalty shapes the rewards (`_shape_rewards`), and with a
+critic (PPO) the advantages are GAE over the critic's values, computed inside each
+minibatch's program, so the loop passes rewards instead of group advantages (`_scores`).
+
 Resuming: a checkpoint holds the train state, the reference parameters, the prompt
 iterator's position, the weight version and the run's counters; every random draw is a
-function of (seed, step), so a run killed at any point and restarted with the same command
-continues with exactly the metrics the uninterrupted run would have written. metrics.jsonl
-is cut back to the restored step first (lines written after the last checkpoint are
-recomputed, not duplicated).
+function of (seed, step, rollout round), so a run killed at any point and restarted with
+the same command continues with exactly the metrics the uninterrupted run would have
+written. metrics.jsonl is cut back to the restored step first (lines written after the
+last checkpoint are recomputed, not duplicated).
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ from jaxrl_post.checkpoint import Checkpointer, abstract_like
 from jaxrl_post.data.prompts import PromptStream
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.transformer import abstract_model, logical_axes
-from jaxrl_post.pipeline import rollouts
+from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.pipeline.config import Experiment
 from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
 from jaxrl_post.rewards import VerifierPool
 from jaxrl_post.rl.advantages import sequence_advantages
+from jaxrl_post.rl.dapo import OverlongConfig, overlong_penalty
 from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_rollouts,
                                    rollout_batch_metrics)
@@ -182,20 +189,13 @@ class RLRun:
 
   def step(self, step: int, timer: StepTimer) -> dict[str, Any]:
     exp, k = self.exp, self.exp.rollout.group_size
-    problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
     self._step = step
-    scoring = rollouts.Scoring(self.pool, self.tokenizer, "train", step)
-    with timer.role("rollout"):  # Each finished group goes to the verifiers meanwhile.
-      t0 = time.perf_counter()
-      groups = rollouts.sample_groups(self.engine, problems, prompt_ids, k, self.sampling,
-                                      exp.rollout.scheduler, exp.seed, step,
-                                      on_group=scoring.submit)
-      metrics = rollouts.rollout_metrics(groups, time.perf_counter() - t0)
-    with timer.role("reward"):  # Only the calls still running once decoding is done.
-      rewards, stats = scoring.results(groups)
-    trajs, behaviour = rollouts.flatten(groups)
+    batch, drawn, metrics = self._sample(step, timer)  # Timed as rollout and reward.
+    metrics.update(rollouts.rollout_metrics(drawn.groups, drawn.seconds))
+    rewards, shaping = _shape_rewards(batch, exp.overlong)
+    trajs, behaviour = rollouts.flatten(batch.groups)
     with timer.role("advantage"):  # Group statistics of the whole batch, left on the device.
-      scores = SequenceScores(sequence_advantages(rewards, exp.advantage), rewards)
+      scores = self._scores(rewards)
     with timer.role("pack"):  # Each micro-batch packed once; one transfer to the devices.
       batches = pack_rollouts(self.trainer, trajs, behaviour)
     with timer.role("train"):  # Per minibatch one program: reference, loss, update, metrics.
@@ -203,10 +203,47 @@ class RLRun:
       history = fetch_metrics(history)  # The step's one wait for the devices.
     with timer.role("sync"):
       self._sync(step)
-    metrics.update(_train_metrics(history), **stats.as_metrics())
-    metrics.update(rollout_batch_metrics(rewards, k))
-    metrics.update({"reward/std": float(np.std(rewards)), "weight_version": self.rollout.version})
+    metrics.update(_train_metrics(history), **batch.stats.as_metrics(), **shaping)
+    metrics.update(rollout_batch_metrics(drawn.rewards, k))
+    metrics.update({"reward/std": float(np.std(drawn.rewards)),
+                    "weight_version": self.rollout.version})
     return metrics
+
+  def _sample(self, step: int, timer: StepTimer) -> tuple[dynamic.Drawn, dynamic.Drawn, dict]:
+    """(training batch, every group drawn, counts): one rollout round, or with dynamic
+    sampling as many as it takes to replace the groups whose rewards do not vary."""
+    draw = lambda round_: self._draw(step, round_, timer)
+    spec = self.exp.dynamic_sampling
+    if spec is None:
+      batch = draw(0)
+      return batch, batch, {}
+    return dynamic.refill(draw, self.exp.rollout.prompts_per_step, self.exp.rollout.group_size,
+                          spec)
+
+  def _draw(self, step: int, round_: int, timer: StepTimer) -> dynamic.Drawn:
+    """One rollout round: the next prompts, K samples each, scored as groups finish."""
+    exp = self.exp
+    problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
+    tag = "train" if round_ == 0 else f"train/refill{round_}"  # Pool keys never collide.
+    scoring = rollouts.Scoring(self.pool, self.tokenizer, tag, step)
+    with timer.role("rollout"):  # Each finished group goes to the verifiers meanwhile.
+      t0 = time.perf_counter()
+      groups = rollouts.sample_groups(self.engine, problems, prompt_ids, exp.rollout.group_size,
+                                      self.sampling, exp.rollout.scheduler,
+                                      dynamic.round_seed(exp.seed, round_), step,
+                                      on_group=scoring.submit)
+      seconds = time.perf_counter() - t0
+    with timer.role("reward"):  # Only the calls still running once decoding is done.
+      rewards, stats = scoring.results(groups)
+    return dynamic.Drawn(groups, rewards, stats, seconds)
+
+  def _scores(self, rewards: np.ndarray) -> SequenceScores:
+    """What the trainer's programs read per sequence. With a critic (PPO) the rewards
+    alone: each minibatch's program puts them on the last tokens and runs GAE over its
+    old values on the device; otherwise the group advantages of the whole batch."""
+    if self.trainer.value_head:
+      return SequenceScores.of(len(rewards), rewards=rewards)
+    return SequenceScores(sequence_advantages(rewards, self.exp.advantage), rewards)
 
   def _sync(self, step: int) -> None:
     if self.sync.due(step):
@@ -232,6 +269,20 @@ class RLRun:
       self.pool.close()
     finally:
       self.checkpointer.close()
+
+
+def _shape_rewards(batch: dynamic.Drawn, overlong: Optional[OverlongConfig]
+                   ) -> tuple[np.ndarray, dict[str, float]]:
+  """The rewards the advantages see: DAPO's soft overlong penalty added to the verifier's
+  (whose own scores stay in reward/mean, comparable across algorithms)."""
+  if overlong is None:
+    return batch.rewards, {}
+  lengths = np.array([len(c.tokens) for g in batch.groups for c in g.completions])
+  penalty = np.asarray(overlong_penalty(lengths, overlong), np.float32)
+  shaped = batch.rewards + penalty
+  return shaped, {"dapo/overlong_frac": float(np.mean(penalty < 0)),
+                  "dapo/overlong_penalty_mean": float(np.mean(penalty)),
+                  "dapo/train_reward_mean": float(np.mean(shaped))}
 
 
 def _eval_problems(task, num: int) -> list:

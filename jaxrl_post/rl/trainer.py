@@ -344,7 +344,7 @@ class Trainer:
     per_token = {"logp": logp, "entropy": ent, "ratio": m["ratio"],
                  "clip_low": m["clip_low"], "clip_high": m["clip_high"],
                  "is_weights": weights if weights is not None else jnp.ones_like(logp),
-                 "advantages": advantages, "value_loss": v_loss}
+                 "advantages": advantages, "value_loss": v_loss, "old_logp": old.logprobs}
     return loss, per_token
 
   def _minibatch_update(self, state: TrainState, ref_params: Optional[dict],
@@ -414,6 +414,13 @@ class Trainer:
     out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
     out.update(canaries.advantage_stats(flat(t["advantages"]), mask))
     out.update(_length_stats(mask))
+    if self.cfg.off_policy is not None:
+      # The loss takes the correction per micro-batch; its statistics are over the whole
+      # minibatch's tokens (rows are sequences, so flattening changes no sequence test).
+      _, _, corrected = off_policy_correction(flat(t["old_logp"]),
+                                              flat(batch.behaviour_logprobs), mask,
+                                              self.cfg.off_policy)
+      out.update({f"off_policy/{name}": v for name, v in corrected.items()})
     return out
 
   def step(self, state: TrainState, batch: StepBatch, scores: SequenceScores,
