@@ -28,7 +28,8 @@ from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import LoraConfig
-from jaxrl_post.rewards import ArithmeticTask, CountdownTask, JsonlTask, default_workers
+from jaxrl_post.rewards import (ArithmeticTask, ComposedTask, CountdownTask, FormatReward,
+                                HumanEvalTask, JsonlTask, LengthPenalty, default_workers)
 from jaxrl_post.pipeline.dynamic import DynamicSamplingSpec
 from jaxrl_post.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from jaxrl_post.rl.dapo import OverlongConfig
