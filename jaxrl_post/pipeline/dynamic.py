@@ -17,7 +17,7 @@ rewards (`pick_groups`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -123,12 +123,18 @@ def _varied(rounds: Sequence[Drawn], k: int) -> int:
 
 
 def merge_stats(stats: Sequence[VerifierStats]) -> VerifierStats:
-  """One VerifierStats for several `results` calls (counts and seconds add up)."""
-  types: dict[str, int] = {}
-  for s in stats:
-    for name, n in s.error_types.items():
-      types[name] = types.get(name, 0) + n
-  total = lambda field: sum(getattr(s, field) for s in stats)
-  return VerifierStats(samples=total("samples"), errors=total("errors"),
-                       timeouts=total("timeouts"), crashes=total("crashes"),
-                       error_types=types, busy_s=total("busy_s"), wait_s=total("wait_s"))
+  """One VerifierStats for several `results` calls, field by field: counts and seconds
+  add up, per-type counts merge, per-sample tuples concatenate in call order."""
+  def merged(name: str):
+    values = [getattr(s, name) for s in stats]
+    if isinstance(values[0], tuple):
+      return tuple(x for v in values for x in v)
+    if isinstance(values[0], Mapping):
+      out: dict = {}
+      for v in values:
+        for key, n in v.items():
+          out[key] = out.get(key, 0) + n
+      return out
+    return sum(values)
+
+  return VerifierStats(**{f.name: merged(f.name) for f in dataclasses.fields(VerifierStats)})

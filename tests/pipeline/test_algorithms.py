@@ -84,7 +84,8 @@ def test_dapo_resume_gives_the_uninterrupted_metrics(tmp_path):
 
 def _drawn(rewards, k):
   groups = [f"g{i}" for i in range(len(rewards) // k)]
-  return dynamic.Drawn(groups, np.asarray(rewards, np.float32), VerifierStats(samples=1), 0.5)
+  stats = VerifierStats(samples=1, error_types={"E": 1}, parts=(f"g{len(rewards)}",))
+  return dynamic.Drawn(groups, np.asarray(rewards, np.float32), stats, 0.5)
 
 
 def test_zero_variance_groups_are_refilled_deterministically():
@@ -104,6 +105,7 @@ def test_zero_variance_groups_are_refilled_deterministically():
   assert counts == {"dapo/rounds": 3, "dapo/groups_drawn": 12, "dapo/groups_zero_variance": 7,
                     "dapo/groups_dropped": 8, "dapo/groups_refilled": 2, "dapo/groups_short": 0}
   assert drawn.stats.samples == 3 and drawn.seconds == 1.5
+  assert drawn.stats.parts == ("g8",) * 3 and drawn.stats.error_types == {"E": 3}
   again = dynamic.refill(lambda r: _drawn(rounds[r], 2), 4, 2, dynamic.DynamicSamplingSpec(3))
   assert again[0].groups == batch.groups and again[2] == counts
 
