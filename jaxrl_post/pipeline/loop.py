@@ -51,7 +51,8 @@ from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_
 from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
 from jaxrl_post.rollout.pages import free_device_bytes
 from jaxrl_post.sharding import WeightSync, build_meshes
-from jaxrl_post.telemetry import DiscardMetrics, MetricsWriter, ProgressBar, StepTimer
+from jaxrl_post.telemetry import (DiscardMetrics, MetricsWriter, ProgressBar, StepTimer,
+                                  truncate_jsonl)
 from jaxrl_post.telemetry.progress import format_duration
 
 
@@ -84,10 +85,10 @@ class RLRun:
     self._step = 0  # The last step run: labels eval calls in the dead-letter file.
     # Started last (workers come up while the run restores or warms up); process 0 alone
     # writes files other than checkpoints.
-    dead_letter = os.path.join(workdir, "dead_letter.jsonl")
+    self.dead_letter = os.path.join(workdir, "dead_letter.jsonl")
     self.pool = VerifierPool(self.task, workers=exp.reward.workers,
                              timeout_s=exp.reward.timeout_s, processes=exp.reward.processes,
-                             dead_letter=dead_letter if jax.process_index() == 0 else None)
+                             dead_letter=self.dead_letter if jax.process_index() == 0 else None)
 
   # ------------------------------------------------------------------ start
 
@@ -314,6 +315,8 @@ def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
             else DiscardMetrics())
   fresh = not progress.eval_history  # No checkpoint: lines of a killed attempt are stale.
   writer.truncate_after(-1 if fresh else progress.step)
+  if first:
+    truncate_jsonl(run_.dead_letter, -1 if fresh else progress.step)
   try:
     if fresh:
       _record_eval(run_, progress, writer, extra=progress.counters)

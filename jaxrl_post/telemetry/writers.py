@@ -259,6 +259,18 @@ def _check_names(metrics: Mapping[str, Any]) -> Mapping[str, Any]:
   return metrics
 
 
+def truncate_jsonl(path: str, step: int) -> None:
+  """Keeps the lines of a run's side log (e.g. dead letters) with `"step" <= step`, as
+  `MetricsWriter.truncate_after` does for metrics: steps recomputed after a resume then log
+  their records once. Lines without an integer step are kept; a missing file is fine."""
+  if not os.path.exists(path):
+    return
+  kept = [line for line, record in _parse_lines(path)
+          if not isinstance(record, dict) or not isinstance(record.get("step"), int)
+          or record["step"] <= step]
+  _replace_file(path, "".join(kept))
+
+
 def _parse_lines(path: str) -> list[tuple[str, dict[str, Any]]]:
   """Returns (raw line with newline, parsed object) pairs, skipping a torn last line."""
   try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.telemetry import MetricsWriter, read_metrics
+from jaxrl_post.telemetry import MetricsWriter, read_metrics, truncate_jsonl
 
 
 def read_events(tb_dir):
@@ -157,3 +157,14 @@ def test_read_metrics_errors(tmp_path):
   bad.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
   with pytest.raises(UserError, match=":2:"):
     read_metrics(str(bad))
+
+
+def test_truncate_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
+  path = tmp_path / "dead_letter.jsonl"
+  truncate_jsonl(str(path), 3)  # no file yet: nothing to do
+  assert not path.exists()
+  lines = [{"step": 2, "key": "a"}, {"step": None, "key": "b"}, {"step": 4, "key": "c"},
+           {"step": 3, "key": "d"}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "ke')
+  truncate_jsonl(str(path), 3)
+  assert [json.loads(l)["key"] for l in path.read_text().splitlines()] == ["a", "b", "d"]
