@@ -4,7 +4,7 @@ that name the field (and, for names, the known choices)."""
 import pytest
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.rl import (AdvantageConfig, DynamicSamplingConfig, KLPenaltyConfig, LossConfig,
+from jaxrl_post.rl import (AdvantageConfig, KLPenaltyConfig, LossConfig,
                            OffPolicyConfig, OverlongConfig)
 from jaxrl_post.rl.registry import Registry
 
@@ -34,8 +34,6 @@ BAD = [
     (lambda: OffPolicyConfig(seq_mask="arith"), ["seq_mask='arith'", "geometric"]),
     (lambda: OffPolicyConfig(seq_low=1.2), ["seq_low"]),
     (lambda: OffPolicyConfig(seq_high=0.9), ["seq_high"]),
-    (lambda: DynamicSamplingConfig(0, 4), ["target_groups"]),
-    (lambda: DynamicSamplingConfig(4, 4, max_batches=-1), ["max_batches"]),
     (lambda: OverlongConfig(100, 0), ["buffer"]),
     (lambda: OverlongConfig(100, 101), ["buffer"]),
 ]
