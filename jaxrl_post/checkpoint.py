@@ -1,7 +1,8 @@
 """Checkpoints of a training run: Orbax arrays plus a JSON record of everything else.
 
 A checkpoint holds the train state (parameters, optimizer state, step counters), the
-reference parameters where they are not derivable, and a JSON `meta` record: the RL step,
+reference parameters where they are not derivable, the rollout engine's weights where they
+are not the train state's (a sync cadence above one step), and a JSON `meta` record: the RL step,
 the weight version, the prompt iterator's state, counters, and whatever else the loop needs
 to continue exactly where it stopped.
 
@@ -53,7 +54,7 @@ class Checkpointer:
         max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
         cleanup_tmp_directories=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("state", "reference", "meta"))
+                                          item_names=("state", "reference", "rollout", "meta"))
 
   def latest_step(self) -> Optional[int]:
     """The newest complete checkpoint's step (None if there is none)."""
@@ -62,11 +63,13 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, meta: dict, reference: Any = None) -> None:
+  def save(self, step: int, state: Any, meta: dict, reference: Any = None,
+           rollout: Any = None) -> None:
     """Starts saving; returns once the arrays are off the devices (async mode)."""
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
-    if reference is not None:
-      items["reference"] = ocp.args.StandardSave(reference)
+    for name, tree in (("reference", reference), ("rollout", rollout)):
+      if tree is not None:
+        items[name] = ocp.args.StandardSave(tree)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, abstract_state: Any, abstract_reference: Any = None):
@@ -81,6 +84,19 @@ class Checkpointer:
                       f"config ({str(e).splitlines()[0]})") from e
     reference = out["reference"] if abstract_reference is not None else None
     return out["state"], reference, out["meta"]
+
+  def restore_rollout(self, step: int, abstract_rollout: Any) -> Any:
+    """The rollout weights saved with `step`, placed as `abstract_rollout` says; None when
+    that checkpoint has none (they were the train state's)."""
+    # The item's directory, not item_metadata: a fresh process has not registered the item.
+    if not os.path.isdir(os.path.join(self.directory, str(step), "rollout")):
+      return None
+    args = ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract_rollout))
+    try:
+      return self._manager.restore(step, args=args)["rollout"]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      raise UserError(f"{self.directory}/{step}: rollout weights do not match this run's "
+                      f"config ({str(e).splitlines()[0]})") from e
 
   def wait(self) -> None:
     """Blocks until the last save is on disk."""

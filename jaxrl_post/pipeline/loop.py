@@ -102,7 +102,8 @@ class RLRun:
     else:
       progress = self._restore(latest)
     self._initial_params = None  # From here the train state and the reference hold weights.
-    self._build_rollout(meta_version=progress.counters.get("weight_version", 0))
+    self._build_rollout(meta_version=progress.counters.get("weight_version", 0),
+                        restored_step=latest)
     return progress
 
   def _warm_up(self, params: dict, progress: Progress) -> dict:
@@ -134,11 +135,14 @@ class RLRun:
     dtype = jnp.dtype(self.exp.reference.dtype)
     return self.trainer.place(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
 
-  def _build_rollout(self, meta_version: int) -> None:
+  def _build_rollout(self, meta_version: int, restored_step: Optional[int]) -> None:
     model = abstract_model(self.model_cfg)
     full = self.trainer.full_params(self.state)
     self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
     rollout = self.sync.initial(full)
+    if restored_step is not None:  # Saved when they may lag the train state (`save`).
+      saved = self.checkpointer.restore_rollout(restored_step, abstract_like(rollout.params))
+      rollout = rollout if saved is None else dataclasses.replace(rollout, params=saved)
     self.rollout = dataclasses.replace(rollout, version=meta_version)
     self.engine = Engine(self.model_cfg, self.rollout.params, self._engine_config(),
                          version=self.rollout.version, mesh=self.meshes.rollout)
@@ -263,7 +267,11 @@ class RLRun:
     meta = {"step": progress.step, "eval_history": progress.eval_history,
             "counters": progress.counters | {"weight_version": self.rollout.version},
             "prompts": self.prompts.get_state()}
-    self.checkpointer.save(progress.step, self.state, meta, self.ref)
+    # With a sync every N > 1 steps the engine may sample with older weights than the
+    # train state's: those are saved too, so a resumed run samples what this one would.
+    lagging = self.exp.sync.every_n_steps > 1
+    self.checkpointer.save(progress.step, self.state, meta, self.ref,
+                           rollout=self.rollout.params if lagging else None)
 
   def close(self) -> None:
     try:

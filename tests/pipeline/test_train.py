@@ -63,9 +63,9 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(range(7))
 
 
-def _train_cmd(workdir):
-  return [sys.executable, "-m", "jaxrl_post.train"] + _argv(workdir, ["Experiment.steps = 6",
-                                                                      "LogSpec.progress = False"])
+def _train_cmd(workdir, extra=()):
+  return [sys.executable, "-m", "jaxrl_post.train"] + _argv(
+      workdir, ["Experiment.steps = 6", "LogSpec.progress = False", *extra])
 
 
 def _wait_for_step(path, step, proc, timeout=300):
@@ -78,30 +78,49 @@ def _wait_for_step(path, step, proc, timeout=300):
   raise AssertionError(f"step {step} never appeared in {path}")
 
 
-def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path):
-  """A run killed (SIGKILL) after step 3 and restarted with the same command writes the
-  same metrics as one that was never interrupted."""
+@pytest.mark.parametrize("sync_every,checkpoint_every,kill_after", [(1, 1, 3), (2, 3, 4)],
+                         ids=["sync1", "sync2"])
+def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, sync_every,
+                                                             checkpoint_every, kill_after):
+  """A run killed (SIGKILL) mid-run and restarted with the same command writes the same
+  metrics as one that was never interrupted. sync2: the engine syncs every 2 steps and the
+  kill comes after checkpoint 3 is on disk, so the run resumes where the engine's weights
+  (version 2) lag the train state's (step 3)."""
   env = dict(os.environ, PYTHONPATH=ROOT)
+  extra = [f"SyncConfig.every_n_steps = {sync_every}",
+           f"CheckpointConfig.every_n_steps = {checkpoint_every}"]
   straight = tmp_path / "straight"
-  subprocess.run(_train_cmd(straight), env=env, check=True, capture_output=True, timeout=600)
+  subprocess.run(_train_cmd(straight, extra), env=env, check=True, capture_output=True,
+                 timeout=600)
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_train_cmd(killed), env=env, stdout=subprocess.PIPE,
+  proc = subprocess.Popen(_train_cmd(killed, extra), env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE)
   try:
-    _wait_for_step(str(killed / "metrics.jsonl"), 3, proc)
+    _wait_for_step(str(killed / "metrics.jsonl"), kill_after, proc)
+    if sync_every > 1:
+      _wait_for_path(killed / "checkpoints" / "3", proc)  # renamed into place when complete
     proc.send_signal(signal.SIGKILL)  # Mid-run: possibly while a checkpoint is being written.
   finally:
     proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL
   done = read_metrics(str(killed / "metrics.jsonl"))
   assert max(r["step"] for r in done) < 6  # Really cut short.
-  resumed = subprocess.run(_train_cmd(killed), env=env, check=True, capture_output=True,
-                           text=True, timeout=600)
+  resumed = subprocess.run(_train_cmd(killed, extra), env=env, check=True,
+                           capture_output=True, text=True, timeout=600)
   assert "resumed from" in resumed.stdout
+  if sync_every > 1:
+    assert "(step 3)" in resumed.stdout, resumed.stdout
   want = _deterministic(read_metrics(str(straight / "metrics.jsonl")))
   got = _deterministic(read_metrics(str(killed / "metrics.jsonl")))
   assert [r["step"] for r in got] == list(range(7))
   assert got == want
+
+
+def _wait_for_path(path, proc, timeout=120):
+  deadline = time.time() + timeout
+  while not os.path.exists(path):
+    assert proc.poll() is None and time.time() < deadline, f"{path} never appeared"
+    time.sleep(0.05)
 
 
 def test_malformed_rows_and_overlong_prompts_are_skipped_and_counted(tmp_path, capsys):
