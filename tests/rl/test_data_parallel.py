@@ -11,12 +11,11 @@ from jax.sharding import PartitionSpec
 from jaxrl_post.models import init_model
 from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.optim import OptimizerConfig
-from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rl.trainer import (OldPolicy, SequenceScores, Trainer, TrainerConfig,
                                    pack_rollouts)
 from jaxrl_post.sharding import MeshConfig, make_mesh
 from tests.rl.helpers import ATOL, RTOL
-from tests.rl.toy_task import CFG
+from tests.rl.toy_task import CFG, random_rollout
 
 N = 64  # trajectories per step: 2 micro-batches of 32, packed into 16 rows each
 # Adam's first update is lr * g / (|g| + eps). With the default eps = 1e-8 it is a sign
@@ -28,11 +27,7 @@ TRAINER = TrainerConfig(row_tokens=32, micro_batches=2,
 
 
 def rollout(n=N, seed=0):
-  rng = np.random.default_rng(seed)
-  trajs = [Trajectory([1] + rng.integers(2, 16, rng.integers(1, 8)).tolist(),
-                      rng.integers(2, 16, rng.integers(1, 12)).tolist()) for _ in range(n)]
-  behaviour = [rng.normal(-2.0, 0.1, len(t.completion)).tolist() for t in trajs]
-  return trajs, behaviour, rng.normal(size=n).astype(np.float32)
+  return random_rollout(n, seed)
 
 
 def one_device() -> Trainer:

@@ -12,14 +12,14 @@ from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.optim import OptimizerConfig
-from jaxrl_post.rl.packing import (Trajectory, pack, pad_rows, pad_trajectories,
+from jaxrl_post.rl.packing import (pack, pad_rows, pad_trajectories,
                                    with_head_layout)
 from jaxrl_post.rl.trainer import (SequenceScores, Trainer, TrainerConfig, fetch_metrics,
                                    pack_rollouts, train_on_rollouts)
 from jaxrl_post.sharding import MeshConfig, activation_rules, make_mesh, TRAINING_RULES
 from jaxrl_post.telemetry.dispatch import DispatchCensus
 from tests.rl.helpers import ATOL, RTOL
-from tests.rl.toy_task import CFG
+from tests.rl.toy_task import CFG, random_rollout
 from tests.rl.unfused import full_position_logprobs, host_arrays, unfused_update
 
 N = 32  # trajectories: 2 minibatches x 2 micro-batches of 8
@@ -32,11 +32,7 @@ MESHES = {"1dev": None, "fsdp8": MeshConfig(fsdp=8), "data2-fsdp4": MeshConfig(d
 
 
 def rollout(n=N, seed=0):
-  rng = np.random.default_rng(seed)
-  trajs = [Trajectory([1] + rng.integers(2, 16, rng.integers(1, 8)).tolist(),
-                      rng.integers(2, 16, rng.integers(1, 12)).tolist()) for _ in range(n)]
-  behaviour = [rng.normal(-2.0, 0.1, len(t.completion)).tolist() for t in trajs]
-  return trajs, behaviour, rng.normal(size=n).astype(np.float32)
+  return random_rollout(n, seed)
 
 
 def close(actual, expected, what=""):

@@ -20,6 +20,16 @@ PROMPTS = [[1, x] for x in range(2, 10)]
 COMPLETION = 2
 
 
+def random_rollout(n, seed=0):
+  """n random trajectories over the toy vocabulary, their behaviour logprobs and one
+  advantage each (for trainer equivalence tests, where the values need not make sense)."""
+  rng = np.random.default_rng(seed)
+  trajs = [Trajectory([1] + rng.integers(2, 16, rng.integers(1, 8)).tolist(),
+                      rng.integers(2, 16, rng.integers(1, 12)).tolist()) for _ in range(n)]
+  behaviour = [rng.normal(-2.0, 0.1, len(t.completion)).tolist() for t in trajs]
+  return trajs, behaviour, rng.normal(size=n).astype(np.float32)
+
+
 def reward(prompt, completion):
   return float(np.mean([t == prompt[1] for t in completion]))
 
