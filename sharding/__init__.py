@@ -10,9 +10,10 @@ from jaxrl_post.sharding.mesh import (AXES, DistributedConfig, MeshConfig,
 from jaxrl_post.sharding.placement import Meshes, PlacementConfig, build_meshes
 from jaxrl_post.sharding.rules import (ROLLOUT_RULES, TRAINING_RULES, logical_to_spec,
                                        tree_shardings)
-from jaxrl_post.sharding.sync import RolloutWeights, SyncConfig, WeightSync
+from jaxrl_post.sharding.sync import PartialSync, RolloutWeights, SyncConfig, WeightSync
 
-__all__ = ["AXES", "activation_rules", "active_rules", "constrain", "DistributedConfig", "MeshConfig", "Meshes", "PlacementConfig",
+__all__ = ["AXES", "activation_rules", "active_rules", "constrain", "DistributedConfig", "MeshConfig", "Meshes", "PartialSync",
+           "PlacementConfig",
            "ROLLOUT_RULES", "RolloutWeights", "SyncConfig", "TRAINING_RULES", "WeightSync",
            "build_meshes", "distributed_config_from_env", "initialize", "logical_to_spec",
            "make_mesh", "tree_shardings"]

@@ -8,15 +8,15 @@ Split: the cast and reshard run on the trainer's devices into a mirror of the ro
 layout, then each shard is copied device-to-device to the rollout device that holds the
 same slice. The host never sees a byte in either case.
 
-With LoRA, build the sync over the adapter subtree only: the rollout keeps its own copy of
-the frozen base and receives just the adapters.
+With LoRA, `PartialSync` moves the adapters only: the rollout keeps its own copy of the
+frozen base, made once, and receives just the adapters at each sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +116,13 @@ class WeightSync:
     """Whether a sync follows optimizer step `step` (counted from 1)."""
     return step % self.cfg.every_n_steps == 0
 
+  def moving(self, params):
+    """What a sync moves of a whole tree: all of it (see PartialSync)."""
+    return params
+
+  def with_moving(self, params, moving):
+    return moving
+
   def initial(self, train_params) -> RolloutWeights:
     """The first rollout copy (version 0); nothing to recycle yet."""
     return RolloutWeights(self._place(self._first(train_params)), version=0)
@@ -139,3 +146,70 @@ class WeightSync:
     if self.meshes.colocated:
       return self._sync.lower(train_params, rollout_params).compile().as_text()
     return self._first.lower(train_params).compile().as_text()
+
+
+def _split(tree, moves: Callable[[tuple], bool], is_leaf=None) -> tuple[dict, dict]:
+  """(moving, fixed) halves of a nested dict, split leaf by leaf on `moves(path)`."""
+  halves: tuple[dict, dict] = ({}, {})
+  for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+    node = halves[0 if moves(path) else 1]
+    for key in path[:-1]:
+      node = node.setdefault(key.key, {})
+    node[path[-1].key] = x
+  return halves
+
+
+def _merge(a: dict, b: dict) -> dict:
+  """Union of two nested dicts with disjoint leaves."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = _merge(out[k], v) if isinstance(v, dict) and k in out else v
+  return out
+
+
+class PartialSync:
+  """A weight sync that moves only the leaves that train (LoRA adapters), not the frozen rest.
+
+  The rollout gets its own copy of the fixed leaves once, in `initial`; every later sync
+  casts and reshards just the moving leaves (a WeightSync over that subtree, donating the
+  engine's previous copy of them) and puts them beside the fixed copy. `bytes_per_sync`
+  counts what moves. Same interface as WeightSync: trees in and out are whole.
+
+  Args:
+    moves: whether the leaf at a `tree_flatten_with_path` path trains (and so moves).
+  """
+
+  def __init__(self, meshes: Meshes, axes_tree, shapes_tree, cfg: SyncConfig,
+               moves: Callable[[tuple], bool]):
+    self.cfg, self.meshes, self._moves = cfg, meshes, moves
+    split_axes = _split(axes_tree, moves, is_leaf=lambda x: isinstance(x, tuple))
+    moving_shapes, fixed_shapes = _split(shapes_tree, moves)
+    if not jax.tree.leaves(moving_shapes):
+      raise UserError("weight sync: no parameter trains, so none would ever move")
+    self._moving = WeightSync(meshes, split_axes[0], moving_shapes, cfg)
+    self._fixed = WeightSync(meshes, split_axes[1], fixed_shapes, cfg)
+    self.bytes_per_sync = self._moving.bytes_per_sync
+
+  def due(self, step: int) -> bool:
+    return self._moving.due(step)
+
+  def moving(self, params) -> dict:
+    """The leaves of a whole tree that a sync moves (what a checkpoint must keep)."""
+    return _split(params, self._moves)[0]
+
+  def with_moving(self, params, moving) -> dict:
+    """A whole tree with its moving leaves replaced by `moving`."""
+    return _merge(moving, _split(params, self._moves)[1])
+
+  def initial(self, train_params) -> RolloutWeights:
+    """Version 0: the fixed leaves (once, for the whole run) and the moving ones."""
+    moving, fixed = _split(train_params, self._moves)
+    params = _merge(self._moving.initial(moving).params, self._fixed.initial(fixed).params)
+    return RolloutWeights(params, version=0)
+
+  def __call__(self, train_params, rollout: RolloutWeights) -> RolloutWeights:
+    """Version + 1, moving only the trained leaves; the engine's old copy of them is
+    consumed, its fixed leaves are kept as they are."""
+    old_moving, fixed = _split(rollout.params, self._moves)
+    new = self._moving(self.moving(train_params), RolloutWeights(old_moving, rollout.version))
+    return RolloutWeights(_merge(new.params, fixed), new.version)

@@ -288,6 +288,22 @@ def logical_axes(model: Transformer, kind=nnx.Param) -> dict:
   return nnx.to_pure_dict(axes)
 
 
+def is_adapter(path) -> bool:
+  """Whether the parameter at a `jax.tree_util` key path is a LoRA adapter (A or B)."""
+  return "_lora_" in str(path[-1])
+
+
+def split_adapters(params: dict) -> tuple[dict, dict]:
+  """(LoRA adapters, every other parameter) of a nested parameter dict; no copies."""
+  halves: tuple[dict, dict] = ({}, {})
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    node = halves[0 if is_adapter(path) else 1]
+    for key in path[:-1]:
+      node = node.setdefault(key.key, {})
+    node[path[-1].key] = x
+  return halves
+
+
 def params_of(model: Transformer, kind=nnx.Param) -> dict:
   """The model's parameters (or those of `kind`, e.g. nnx.LoRAParam) as a nested dict."""
   return nnx.to_pure_dict(nnx.state(model, kind))

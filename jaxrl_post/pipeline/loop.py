@@ -36,7 +36,7 @@ from jaxrl_post import plan
 from jaxrl_post.checkpoint import Checkpointer, abstract_like
 from jaxrl_post.data.prompts import PromptStream
 from jaxrl_post.errors import UserError
-from jaxrl_post.models.transformer import abstract_model, logical_axes
+from jaxrl_post.models.transformer import abstract_model, is_adapter, logical_axes
 from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.pipeline.config import Experiment
@@ -50,7 +50,7 @@ from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_
                                    rollout_batch_metrics)
 from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
 from jaxrl_post.rollout.pages import free_device_bytes
-from jaxrl_post.sharding import WeightSync, build_meshes
+from jaxrl_post.sharding import PartialSync, WeightSync, build_meshes
 from jaxrl_post.telemetry import (DiscardMetrics, MetricsWriter, ProgressBar, StepTimer,
                                   truncate_jsonl)
 from jaxrl_post.telemetry.progress import format_duration
@@ -138,11 +138,18 @@ class RLRun:
   def _build_rollout(self, meta_version: int, restored_step: Optional[int]) -> None:
     model = abstract_model(self.model_cfg)
     full = self.trainer.full_params(self.state)
-    self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
+    if self.trainer.lora:  # The engine runs base + adapters; only the adapters move.
+      self.sync = PartialSync(self.meshes, logical_axes(model), full, self.exp.sync,
+                              moves=is_adapter)
+    else:
+      self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
     rollout = self.sync.initial(full)
     if restored_step is not None:  # Saved when they may lag the train state (`save`).
-      saved = self.checkpointer.restore_rollout(restored_step, abstract_like(rollout.params))
-      rollout = rollout if saved is None else dataclasses.replace(rollout, params=saved)
+      moving = self.sync.moving(rollout.params)
+      saved = self.checkpointer.restore_rollout(restored_step, abstract_like(moving))
+      if saved is not None:
+        rollout = dataclasses.replace(rollout,
+                                      params=self.sync.with_moving(rollout.params, saved))
     self.rollout = dataclasses.replace(rollout, version=meta_version)
     self.engine = Engine(self.model_cfg, self.rollout.params, self._engine_config(),
                          version=self.rollout.version, mesh=self.meshes.rollout)
@@ -207,7 +214,7 @@ class RLRun:
       self.state, history = self.trainer.update(self.state, batches, scores, self.ref)
       history = fetch_metrics(history)  # The step's one wait for the devices.
     with timer.role("sync"):
-      self._sync(step)
+      metrics.update(self._sync(step))
     metrics.update(_train_metrics(history), **batch.stats.as_metrics(), **shaping)
     metrics.update(rollout_batch_metrics(drawn.rewards, k))
     metrics.update({"reward/std": float(np.std(drawn.rewards)),
@@ -250,11 +257,14 @@ class RLRun:
       return SequenceScores.of(len(rewards), rewards=rewards)
     return SequenceScores(sequence_advantages(rewards, self.exp.advantage), rewards)
 
-  def _sync(self, step: int) -> None:
-    if self.sync.due(step):
-      self.rollout = self.sync(self.trainer.full_params(self.state), self.rollout)
-      self.engine.set_weights(self.rollout.params, self.rollout.version)
-      jax.block_until_ready(self.rollout.params)
+  def _sync(self, step: int) -> dict[str, int]:
+    """Syncs when due; the bytes moved (the adapters alone with LoRA)."""
+    if not self.sync.due(step):
+      return {"sync/bytes": 0}
+    self.rollout = self.sync(self.trainer.full_params(self.state), self.rollout)
+    self.engine.set_weights(self.rollout.params, self.rollout.version)
+    jax.block_until_ready(self.rollout.params)
+    return {"sync/bytes": self.sync.bytes_per_sync}
 
   def evaluate(self) -> dict[str, float]:
     return rollouts.evaluate(self.engine, self.tokenizer, self.task, self.eval_problems,
@@ -270,8 +280,8 @@ class RLRun:
     # With a sync every N > 1 steps the engine may sample with older weights than the
     # train state's: those are saved too, so a resumed run samples what this one would.
     lagging = self.exp.sync.every_n_steps > 1
-    self.checkpointer.save(progress.step, self.state, meta, self.ref,
-                           rollout=self.rollout.params if lagging else None)
+    rollout = self.sync.moving(self.rollout.params) if lagging else None  # LoRA: adapters
+    self.checkpointer.save(progress.step, self.state, meta, self.ref, rollout=rollout)
 
   def close(self) -> None:
     try:

@@ -15,10 +15,11 @@ import numpy as np
 
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.models import ModelConfig, Tokenizer, abstract_model
+from jaxrl_post.models.transformer import split_adapters
 from jaxrl_post.rewards import Task
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rl.sft import SftConfig, SftTrainer
-from jaxrl_post.rl.trainer import pack_micro_batches
+from jaxrl_post.rl.trainer import merge_params, pack_micro_batches
 
 
 def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: int,
@@ -40,9 +41,16 @@ def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: 
 def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokenizer,
             cfg: SftConfig, prompt_cfg: PromptConfig, max_new_tokens: int, seed: int,
             log: Callable[[str], None]) -> tuple[dict, dict]:
-  """Runs cfg.steps supervised steps; returns (parameters, metrics)."""
+  """Runs cfg.steps supervised steps; returns (parameters, metrics).
+
+  With LoRA the warm-up trains the base and leaves the adapters as initialised (B = 0, a
+  no-op), so RL starts from the warmed-up model, which is also its reference.
+  """
   trainer = SftTrainer(abstract_model(model_cfg), cfg)
   params = jax.tree.map(jnp.array, params)  # Own copy: the steps donate it.
+  adapters = None
+  if model_cfg.lora is not None:
+    adapters, params = split_adapters(params)
   opt_state = trainer.init(params)
   rng = np.random.default_rng([seed, 0x5F7])
   every = max(1, cfg.steps // 5)
@@ -51,7 +59,10 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
     batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
     inputs, = pack_micro_batches(batch, [list(range(len(batch)))], cfg.row_tokens,
                                  max_new_tokens)
-    params, opt_state, loss = trainer.step(params, opt_state, inputs)
+    params, opt_state, loss = trainer.step(params, opt_state, inputs, adapters)
     if step % every == 0 or step == cfg.steps:
       log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}")
+  if adapters is not None:
+    params = merge_params(params, adapters)
   return params, {"sft/final_loss": float(loss)}
+

@@ -17,6 +17,7 @@ import optax
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Transformer
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
+from jaxrl_post.rl.trainer import merge_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,10 @@ class SftTrainer:
     return self.optimizer.init(params)
 
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-  def step(self, params, opt_state, inputs: PackedInputs):
+  def step(self, params, opt_state, inputs: PackedInputs, frozen=None):
     """One AdamW step on a packed batch; (params, opt_state, loss). Donates params and
-    opt_state."""
-    loss, grads = jax.value_and_grad(lambda p: sft_loss(self.model, p, inputs))(params)
+    opt_state. `frozen`: further parameters the model reads but the step leaves alone."""
+    full = lambda p: p if frozen is None else merge_params(p, frozen)
+    loss, grads = jax.value_and_grad(lambda p: sft_loss(self.model, full(p), inputs))(params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

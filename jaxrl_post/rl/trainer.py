@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
-from jaxrl_post.models.transformer import logical_axes, params_of
+from jaxrl_post.models.transformer import logical_axes, params_of, split_adapters
 from jaxrl_post.rl import metrics as canaries
 from jaxrl_post.rl.advantages import AdvantageConfig, compute_advantages
 from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
@@ -138,10 +138,6 @@ def merge_params(a: dict, b: dict) -> dict:
   return out
 
 
-def _is_lora(path) -> bool:
-  return "_lora_" in str(path[-1])
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Micro:
@@ -221,9 +217,7 @@ class Trainer:
     """(trainable, frozen) halves of a full parameter dict."""
     if not self.lora:
       return params, {}
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    pick = lambda want: _unflatten([(p, x) for p, x in flat if _is_lora(p) == want])
-    return pick(True), pick(False)
+    return split_adapters(params)
 
   def place(self, params: dict) -> dict:
     """Full parameters in the training sharding (unchanged without a mesh)."""
@@ -521,16 +515,6 @@ def optimizer_state_shardings(tree, params: dict, mesh: Mesh):
     return replicated
 
   return jax.tree_util.tree_map_with_path(pick, tree)
-
-
-def _unflatten(pairs) -> dict:
-  out: dict = {}
-  for path, x in pairs:
-    node = out
-    for key in path[:-1]:
-      node = node.setdefault(key.key, {})
-    node[path[-1].key] = x
-  return out
 
 
 def split_minibatches(n: int, minibatches: int, micro_batches: int) -> list[list[list[int]]]:

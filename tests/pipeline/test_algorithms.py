@@ -1,4 +1,4 @@
-"""PPO with a critic and DAPO through the training command, shrunk to seconds on the CPU."""
+"""PPO with a critic, DAPO and LoRA through the training command, shrunk to seconds on the CPU."""
 
 import math
 import os
@@ -55,6 +55,18 @@ def test_ppo_config_trains_a_critic_with_gae(tmp_path):
       assert key in r, key
   assert any(r["train/value_loss"] > 0 for r in records[1:])
   assert "eval/accuracy" in records[-1]
+
+
+def test_lora_config_syncs_only_the_adapters(tmp_path):
+  """On every device (8 here): adapters train and move, the engine's base stays put."""
+  records = _run("quickstart_lora.gin", tmp_path / "lora", ["PlacementConfig.num_devices = 0"])
+  assert [r["step"] for r in records] == [0, 1, 2]
+  # Rank 16 on all 7 matrices of 3 layers: 38912 float32s a layer, a fifth of its weights.
+  assert [r["sync/bytes"] for r in records[1:]] == [3 * 38912 * 4] * 2
+  for r in records[1:]:
+    _finite(r)
+    assert "train/loss" in r
+  assert records[-1]["weight_version"] == 2 and "eval/accuracy" in records[-1]
 
 
 def test_dapo_config_refills_and_shapes(tmp_path):

@@ -14,6 +14,7 @@ from jaxrl_post.telemetry import read_metrics
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.gin")
+QUICKSTART_LORA = os.path.join(ROOT, "configs", "quickstart_lora.gin")
 # The quickstart, shrunk to seconds: few steps, small groups, a checkpoint every step.
 FAST = ["Experiment.steps = 5", "SftConfig.steps = 4", "EvalSpec.every_n_steps = 2",
         "EvalSpec.num_problems = 16", "RolloutSpec.prompts_per_step = 4",
@@ -26,8 +27,8 @@ TIMING = ("time/", "rollout/tokens_per_s", "compile/", "reward/wait_s",
           "verifier/seconds_per_sample")
 
 
-def _argv(workdir, extra=()):
-  return ([f"--gin_file={QUICKSTART}", f"--workdir={workdir}"] +
+def _argv(workdir, extra=(), gin_file=QUICKSTART):
+  return ([f"--gin_file={gin_file}", f"--workdir={workdir}"] +
           [f"--gin_param={p}" for p in FAST + list(extra)])
 
 
@@ -44,7 +45,7 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
   step = records[1]
   for key in ("reward/mean", "time/rollout", "time/reward", "time/pack",
-              "time/advantage", "time/train", "time/sync", "time/waiting",
+              "time/advantage", "time/train", "time/sync", "time/waiting", "sync/bytes",
               "rollout/tokens_per_s", "train/loss", "train/kl/behaviour", "weight_version",
               "data/skipped_overlong", "verifier/errors"):
     assert key in step, key
@@ -63,9 +64,9 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(range(7))
 
 
-def _train_cmd(workdir, extra=()):
+def _train_cmd(workdir, extra=(), gin_file=QUICKSTART):
   return [sys.executable, "-m", "jaxrl_post.train"] + _argv(
-      workdir, ["Experiment.steps = 6", "LogSpec.progress = False", *extra])
+      workdir, ["Experiment.steps = 6", "LogSpec.progress = False", *extra], gin_file)
 
 
 def _wait_for_step(path, step, proc, timeout=300):
@@ -78,23 +79,25 @@ def _wait_for_step(path, step, proc, timeout=300):
   raise AssertionError(f"step {step} never appeared in {path}")
 
 
-@pytest.mark.parametrize("sync_every,checkpoint_every,kill_after", [(1, 1, 3), (2, 3, 4)],
-                         ids=["sync1", "sync2"])
-def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, sync_every,
+@pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kill_after",
+                         [(QUICKSTART, 1, 1, 3), (QUICKSTART, 2, 3, 4),
+                          (QUICKSTART_LORA, 2, 3, 4)], ids=["sync1", "sync2", "lora-sync2"])
+def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, gin_file, sync_every,
                                                              checkpoint_every, kill_after):
   """A run killed (SIGKILL) mid-run and restarted with the same command writes the same
   metrics as one that was never interrupted. sync2: the engine syncs every 2 steps and the
   kill comes after checkpoint 3 is on disk, so the run resumes where the engine's weights
-  (version 2) lag the train state's (step 3)."""
+  (version 2) lag the train state's (step 3). lora-sync2: the same where only the adapters
+  train and move."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   extra = [f"SyncConfig.every_n_steps = {sync_every}",
            f"CheckpointConfig.every_n_steps = {checkpoint_every}"]
   straight = tmp_path / "straight"
-  subprocess.run(_train_cmd(straight, extra), env=env, check=True, capture_output=True,
-                 timeout=600)
+  subprocess.run(_train_cmd(straight, extra, gin_file), env=env, check=True,
+                 capture_output=True, timeout=600)
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_train_cmd(killed, extra), env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE)
+  proc = subprocess.Popen(_train_cmd(killed, extra, gin_file), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   try:
     _wait_for_step(str(killed / "metrics.jsonl"), kill_after, proc)
     if sync_every > 1:
@@ -105,7 +108,7 @@ def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, sync_ever
   assert proc.returncode == -signal.SIGKILL
   done = read_metrics(str(killed / "metrics.jsonl"))
   assert max(r["step"] for r in done) < 6  # Really cut short.
-  resumed = subprocess.run(_train_cmd(killed, extra), env=env, check=True,
+  resumed = subprocess.run(_train_cmd(killed, extra, gin_file), env=env, check=True,
                            capture_output=True, text=True, timeout=600)
   assert "resumed from" in resumed.stdout
   if sync_every > 1:
@@ -114,6 +117,11 @@ def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, sync_ever
   got = _deterministic(read_metrics(str(killed / "metrics.jsonl")))
   assert [r["step"] for r in got] == list(range(7))
   assert got == want
+  if gin_file == QUICKSTART_LORA:
+    # Only the adapters move: rank 16 on all 7 matrices of 3 layers is 38912 float32s a
+    # layer, against 196864 for the layer's weights.
+    adapters = 3 * 38912 * 4
+    assert [r["sync/bytes"] for r in got[1:]] == [0, adapters] * 3
 
 
 def _wait_for_path(path, proc, timeout=120):

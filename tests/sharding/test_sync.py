@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from jaxrl_post.models import LoraConfig, abstract_model
-from jaxrl_post.models.transformer import logical_axes, params_of
-from jaxrl_post.sharding import (MeshConfig, PlacementConfig, SyncConfig, WeightSync,
-                                 build_meshes)
+from jaxrl_post.models.transformer import is_adapter, logical_axes, params_of, split_adapters
+from jaxrl_post.sharding import (MeshConfig, PartialSync, PlacementConfig, SyncConfig,
+                                 WeightSync, build_meshes)
 from tests.sharding.helpers import CFG, batch, logits_fn, sharded_init
 
 PLACEMENTS = {
@@ -91,20 +91,38 @@ def test_colocated_sync_is_one_program_with_collectives_and_no_host_traffic():
   assert "input_output_alias" in hlo or "may-alias" in hlo or "must-alias" in hlo
 
 
-def test_lora_sync_moves_only_the_adapters():
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_lora_sync_moves_only_the_adapters(placement):
   cfg = CFG.replace(lora=LoraConfig(rank=4, targets=("wq", "wv", "w_up")))
-  meshes, full = make_sync("colocated", cfg)
-  _, adapters = make_sync("colocated", cfg, kind=nnx.LoRAParam)
-  assert len(jax.tree.leaves(adapters.rollout_shardings)) == 6
-  assert 0 < adapters.bytes_per_sync < 0.2 * full.bytes_per_sync
-  lora_train = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32),
-                            params_of(abstract_model(cfg), nnx.LoRAParam))
-  lora_train = jax.device_put(lora_train, adapters.train_shardings)
-  weights = adapters.initial(lora_train)
+  meshes, full = make_sync(placement, cfg)
+  abstract = abstract_model(cfg)
+  sync = PartialSync(meshes, logical_axes(abstract), params_of(abstract), SyncConfig(),
+                     moves=is_adapter)
+  assert 0 < sync.bytes_per_sync < 0.2 * full.bytes_per_sync
+  assert sync.bytes_per_sync == sum(x.size * 2 for x in jax.tree.leaves(
+      params_of(abstract, nnx.LoRAParam)))  # bf16 adapters, nothing else
+  train = jax.device_put(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
+                                      params_of(abstract)), full.train_shardings)
+  weights = sync.initial(train)
+  base_before = {id(x) for x in jax.tree.leaves(split_adapters(weights.params)[1])}
+  trained = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 1 if is_adapter(path) else x, train)
   with no_host_transfers():
-    weights = adapters(lora_train, weights)
+    weights = sync(trained, weights)
   assert weights.version == 1
-  assert all(bool(jnp.all(x == 1)) for x in jax.tree.leaves(weights.params))
+  adapters, base = split_adapters(weights.params)
+  assert len(jax.tree.leaves(adapters)) == 6
+  assert jax.tree.structure(weights.params) == jax.tree.structure(train)
+  assert all(bool(jnp.all(x == 1)) for x in jax.tree.leaves(adapters))
+  # The engine's base copy is the one made at the start, not a new one.
+  assert {id(x) for x in jax.tree.leaves(base)} == base_before
+  for x, want in zip(jax.tree.leaves(weights.params), jax.tree.leaves(full.rollout_shardings)):
+    assert x.sharding.is_equivalent_to(want, x.ndim) and x.dtype == jnp.bfloat16
+  # What a checkpoint keeps, and putting it back.
+  moving = sync.moving(weights.params)
+  assert jax.tree.structure(moving) == jax.tree.structure(adapters)
+  back = sync.with_moving(weights.params, jax.tree.map(jnp.zeros_like, moving))
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(split_adapters(back)[0]))
 
 
 def test_bytes_and_schedule():
