@@ -25,6 +25,7 @@ bottom of this module is the high-level call: requests in, per-sample completion
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import NamedTuple, Sequence
@@ -183,6 +184,22 @@ def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size:
 def _set_rows(state: SlotState, index, rows: SlotState) -> SlotState:
   """state with rows `index` replaced ([N] slot ids; ids >= B are padding, dropped)."""
   return jax.tree.map(lambda a, r: a.at[index].set(r, mode="drop"), state, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_table_rows(state: SlotState, index, table) -> SlotState:
+  """state with the page-table rows `index` replaced; every other field as it is."""
+  return state._replace(page_table=state.page_table.at[index].set(table, mode="drop"))
+
+
+class _Launched(NamedTuple):
+  """A decode call in flight: its outputs (device arrays) and what the host knew then."""
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  active: jax.Array
+  occupant: np.ndarray  # [B] each slot's occupant number at launch
+  version: int
 
 
 def _decode_steps(params, pool, state, shared, cfg, steps, layout):
@@ -369,6 +386,11 @@ class Engine:
     self._slots = _host_slots(self.num_slots, self.max_pages, config.max_stop_ids)
     self._device_slots = self.layout.put_rows(self._slots)  # Stays on the devices.
     self._dirty: set[int] = set()  # Slots whose host rows the devices have not seen yet.
+    self._grown: set[int] = set()  # Running slots whose page-table rows grew since.
+    # Bumped when a slot is filled or emptied: a collected call's rows count only for
+    # slots that still hold what it decoded.
+    self._occupant = np.zeros((self.num_slots,), np.int64)
+    self._pending: collections.deque[_Launched] = collections.deque()  # Calls in flight.
     self._seqs: list[PagedSequence | None] = [None] * self.num_slots
     self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
@@ -385,7 +407,8 @@ class Engine:
   # ------------------------------------------------------------------ weights
 
   def set_weights(self, params, version: int) -> None:
-    """Uses `params` (a `params_of(model)` dict) from the next device call on.
+    """Uses `params` (a `params_of(model)` dict) from the next device call launched on;
+    calls already launched (see `launch`) decode with the weights they were launched with.
 
     Weights not already in the rollout sharding of this engine's mesh are moved there.
     """
@@ -648,18 +671,34 @@ class Engine:
     s.stop_ids[slot] = -1
     s.stop_ids[slot, :len(sp.stop_ids)] = sp.stop_ids
     self._final_len[slot] = p + sp.max_tokens - 1
+    self._occupant[slot] += 1
     self._dirty.add(slot)
 
   # ------------------------------------------------------------------ decode
 
   def generate(self) -> ResultTokens:
-    """Runs `decode_steps` decode steps for every active slot in one device call.
+    """Runs `decode_steps` decode steps for every active slot in one device call and waits
+    for its tokens (`launch` + `collect`).
 
     The slot state stays on the devices: the host sends the rows it changed since the last
     call and reads back only the new tokens, their logprobs and which slots are active.
     """
-    s, steps = self._slots, self.config.decode_steps
-    needed = self._grow_pages(steps)  # [B] pages each slot's next `steps` tokens need
+    self.launch()
+    return self.collect()
+
+  @property
+  def in_flight(self) -> int:
+    """Decode calls launched and not collected yet."""
+    return len(self._pending)
+
+  def launch(self) -> None:
+    """Queues one decode call of `decode_steps` steps for every active slot, without
+    waiting for it or for the calls before it (their outputs are its inputs on the
+    devices). Between `launch` and the `collect` of a call the host may insert into and
+    free slots it knows are done; the host's view of running slots (lengths, activity)
+    lags by the calls in flight, so pages are grown for all of them."""
+    steps = self.config.decode_steps
+    needed = self._grow_pages(steps * (1 + len(self._pending)))
     self._push_dirty_rows()
     if self.cascade:
       shared, start = self._shared_operands()
@@ -669,15 +708,29 @@ class Engine:
     self.pool, self._device_slots, tokens, logprobs, active = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width)
-    tokens, logprobs, active = jax.device_get((tokens, logprobs, active))
+    for x in (tokens, logprobs, active):
+      x.copy_to_host_async()  # Fetched while later calls run.
+    self._pending.append(_Launched(tokens, logprobs, active, self._occupant.copy(),
+                                   self.version))
+
+  def collect(self) -> ResultTokens:
+    """Waits for the oldest launched call; its tokens, and the host's view brought up to
+    date. Rows of slots emptied or refilled since that launch come back as producing
+    nothing (the call did not decode their current occupant)."""
+    call = self._pending.popleft()
+    tokens, logprobs, active = jax.device_get((call.tokens, call.logprobs, call.active))
+    same = call.occupant == self._occupant  # [B] the slot holds what the call decoded
+    tokens = np.where(same[:, None], tokens, -1)
+    logprobs = np.where(same[:, None], logprobs, 0.0).astype(np.float32)
+    s = self._slots
     produced = (tokens >= 0).sum(axis=1).astype(np.int32)  # A slot's tokens come first.
     last = np.take_along_axis(tokens, np.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     s.tokens[:] = np.where(produced > 0, last, s.tokens)
     s.lengths[:] += produced
     s.num_generated[:] += produced
-    was_active = s.active.copy()
-    s.active[:] = active
-    return ResultTokens(tokens, logprobs, was_active & ~active, self.version)
+    was_active = s.active & same
+    s.active[:] = np.where(same, active, s.active)
+    return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version)
 
   def _grow_pages(self, steps: int) -> np.ndarray:
     """Pages for each active slot's next `steps` tokens (taken from its reservation), and a
@@ -692,21 +745,32 @@ class Engine:
       if needed[slot] > len(seq.pages):
         seq.grow(int(min(s.lengths[slot] + steps + 3 * ps, final)))
         s.page_table[slot, :len(seq.pages)] = seq.pages
-        self._dirty.add(int(slot))
+        self._grown.add(int(slot))
     return needed
 
   def _push_dirty_rows(self) -> None:
-    """Sends the host's changed slot rows to the device state (one small scatter)."""
-    if not self._dirty:
-      return
-    slots = np.asarray(sorted(self._dirty), np.int32)
-    n = _pow2_at_least(len(slots))
-    index = np.full((n,), self.num_slots, np.int32)  # Out of range: dropped.
-    index[:len(slots)] = slots
-    rows = jax.tree.map(lambda a: a[np.minimum(index, self.num_slots - 1)], self._slots)
-    index, rows = self.layout.put_replicated((index, rows))
-    self._device_slots = _set_rows(self._device_slots, index, rows)
+    """Sends the host's changed slot rows to the device state (small scatters): whole rows
+    of slots filled or emptied, whose device rows are idle; only the page table of running
+    slots that grew, whose lengths and tokens the devices know better than the host while
+    calls are in flight."""
+    grown = self._grown - self._dirty
+    if self._dirty:
+      index, rows = self._rows_of(self._dirty, self._slots)
+      self._device_slots = _set_rows(self._device_slots, index, rows)
+    if grown:
+      index, table = self._rows_of(grown, self._slots.page_table)
+      self._device_slots = _set_table_rows(self._device_slots, index, table)
     self._dirty.clear()
+    self._grown.clear()
+
+  def _rows_of(self, slots: set[int], tree):
+    """(index, rows of `tree`) on the devices for a scatter; padded to a power of two of
+    rows with out-of-range indices, which the scatter drops."""
+    slots = np.asarray(sorted(slots), np.int32)
+    index = np.full((_pow2_at_least(len(slots)),), self.num_slots, np.int32)
+    index[:len(slots)] = slots
+    rows = jax.tree.map(lambda a: a[np.minimum(index, self.num_slots - 1)], tree)
+    return self.layout.put_replicated((index, rows))
 
   def _shared_operands(self) -> tuple[SharedPrefix, np.ndarray]:
     """The blocks' shared prompt pages (table narrowed like the slots' ones) and, per slot,
@@ -753,6 +817,7 @@ class Engine:
     self._seqs[slot] = None
     self._slots.active[slot] = False
     self._slots.page_table[slot] = TRASH_PAGE
+    self._occupant[slot] += 1
     self._dirty.add(slot)
     if self.config.group_slots:
       block = slot // self.config.group_slots

@@ -12,6 +12,13 @@ Each `step` does, in order:
 4. decode: one engine call of `decode_steps` steps over all slots; finished slots are freed
    at once, so the next step refills them.
 
+Overlap (SchedulerConfig.overlap, on by default): step 4 launches the next decode call
+before it waits for the previous one, so the devices always have a call queued while the
+host reads tokens, frees, admits, prefills and inserts. The cost is that a slot finishing
+in one call idles through the next (already launched) before it is refilled. Samples are
+the same either way: a token's random draw depends on its request, sample and position,
+never on its slot or call.
+
 A request whose pages the pool cannot promise yet waits at the head of the queue (first come,
 first served); it never fails for want of memory and never takes a live sequence's pages.
 Groups of samples larger than the pool can ever hold are split into groups that fit (each
@@ -35,8 +42,8 @@ shard's blocks; one prefill call writes a chunk of the oldest prefilling prompts
 shard. With one shard this is exactly the single-device behaviour.
 
 The scheduler knows the engine only through its methods (new_prefix, prefill_batch,
-bulk_insert, skip, generate, free_resource, validate, max_group_size,
-max_concurrent_decodes, group_slots, prefill_rows, shards).
+bulk_insert, skip, generate, launch, collect, in_flight, free_resource, validate,
+max_group_size, max_concurrent_decodes, group_slots, prefill_rows, shards).
 """
 
 from __future__ import annotations
@@ -56,9 +63,11 @@ class SchedulerConfig:
   """Attributes:
     prefill_tokens_per_step: prompt tokens prefilled between two decode calls while some
       slot is decoding (at least one chunk is always done).
+    overlap: keep a decode call queued on the devices while the host works (see above).
   """
 
   prefill_tokens_per_step: int = 512
+  overlap: bool = True
 
   def __post_init__(self):
     if self.prefill_tokens_per_step < 1:
@@ -152,7 +161,8 @@ class Scheduler:
 
   @property
   def idle(self) -> bool:
-    return not (self.waiting or self.prefilling or self.ready or self._busy())
+    return not (self.waiting or self.prefilling or self.ready or self._busy() or
+                self.engine.in_flight)
 
   def _busy(self) -> bool:
     return any(r is not None for r in self.slots)
@@ -163,7 +173,7 @@ class Scheduler:
     self._admit()
     self._prefill()
     finished = self._insert()
-    if self._busy():
+    if self._busy() or self.engine.in_flight:
       finished += self._decode()
     for rid, i, completion in finished:
       self.results[rid][i] = completion
@@ -321,7 +331,12 @@ class Scheduler:
       self.slots[slot] = self._first_only(g, prefix, first + k)
 
   def _decode(self) -> list[tuple[int, int, Completion]]:
-    out = self.engine.generate()
+    if not self.config.overlap:
+      out = self.engine.generate()
+    else:  # Queue the next call (two at the start) before waiting for the oldest.
+      for _ in range((2 - self.engine.in_flight) if self._busy() else 0):
+        self.engine.launch()
+      out = self.engine.collect()
     self.stats["decode_calls"] += 1
     finished = []
     for slot, run in enumerate(self.slots):

@@ -112,14 +112,15 @@ def test_prompts_prefill_together_and_the_device_keeps_the_slot_state(monkeypatc
   assert eng.pages_in_use == 0
 
 
-def test_weight_swap_between_calls_stamps_versions():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_weight_swap_between_calls_stamps_versions(overlap):
   prompt = H.prompts(np.random.default_rng(5), [6])[0]
   greedy = SamplingParams(temperature=0.0, max_tokens=30)
   new = params_of(init_model(H.CFG, seed=2))
 
   def run(swap):
     eng = H.engine(version=7)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, SchedulerConfig(overlap=overlap))
     sched.submit(prompt, greedy, seed=0)
     sched.step()
     if swap:
@@ -127,7 +128,9 @@ def test_weight_swap_between_calls_stamps_versions():
     return sched.run()[0][0]
 
   kept, swapped = run(False), run(True)
-  first = 1 + H.ENGINE.decode_steps  # The first token comes from prefill, then one call.
+  # The first token comes from prefill, then one call; with overlap a second call was
+  # already launched, and it keeps the weights it was launched with.
+  first = 1 + (2 if overlap else 1) * H.ENGINE.decode_steps
   assert swapped.versions == (7,) * first + (8,) * (30 - first)
   assert swapped.weight_version == 7 and set(kept.versions) == {7}
   # The swapped-in weights are the ones decoding from the next call on.

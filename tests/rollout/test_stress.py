@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_post.models.decode import generate_dense
-from jaxrl_post.rollout import SamplingParams, Scheduler
+from jaxrl_post.rollout import SamplingParams, Scheduler, SchedulerConfig
 from tests.rollout import helpers as H
 
 STOPS = (3, 17)
@@ -57,3 +57,26 @@ def test_random_requests_all_finish_exactly_and_leak_no_pages(group_slots, num_p
       assert not any(t in STOPS for t in c.tokens[:-1])
       if greedy[i]:
         assert list(c.tokens) == ref.tokens[i][:max_tokens[i]], i
+
+
+@pytest.mark.parametrize("group_slots", [0, 2])
+def test_overlapped_decode_draws_the_same_samples_as_waiting_for_each_call(group_slots):
+  """With overlap the next decode call is queued before the host reads the last one, and
+  slots are refilled a call later; every sample, logprob and finish reason is the same."""
+  rng = np.random.default_rng(11)
+  n_requests = 40
+  prompts = H.prompts(rng, rng.integers(1, 30, size=n_requests))
+  max_tokens = rng.integers(1, 30, size=n_requests)
+  results = {}
+  for overlap in (False, True):
+    eng = H.engine(group_slots=group_slots)
+    sched = Scheduler(eng, SchedulerConfig(overlap=overlap))
+    ids = [sched.submit(p, SamplingParams(temperature=1.0, max_tokens=int(m), stop_ids=STOPS),
+                        n=2, seed=i) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    out = sched.run()
+    assert eng.in_flight == 0 and eng.pages_in_use == 0 and eng.alloc.reserved == 0
+    results[overlap] = [out[rid] for rid in ids]
+  for want, got in zip(results[False], results[True]):
+    for a, b in zip(want, got):
+      assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+      np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=H.LOGPROB_TOL)
