@@ -149,3 +149,16 @@ def test_validation_errors_are_one_line_naming_the_field(bindings, field):
   with pytest.raises(UserError) as e:
     run_config.build_experiment()
   assert field in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_smollm2_lora_config_trains_a_step_moving_under_4_percent_of_the_weights(tmp_path):
+  """The shipped SmolLM2 LoRA config, on the real embedded model, for one small step."""
+  records = _run("smollm2_arith_lora.gin", tmp_path / "smol",
+                 ["Experiment.steps = 1", "RolloutSpec.prompts_per_step = 2",
+                  "EvalSpec.num_problems = 4", "EvalSpec.every_n_steps = 1"])
+  assert [r["step"] for r in records] == [0, 1]
+  _finite(records[1])
+  # Rank 16 on all 7 matrices of 30 layers: 162816 float32s a layer.
+  assert records[1]["sync/bytes"] == 30 * 162816 * 4
+  assert records[1]["rollout/tokens"] > 0 and records[1]["weight_version"] == 1
