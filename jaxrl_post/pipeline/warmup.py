@@ -54,15 +54,23 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
   opt_state = trainer.init(params)
   rng = np.random.default_rng([seed, 0x5F7])
   every = max(1, cfg.steps // 5)
-  loss = float("nan")
+  losses = []
   for step in range(1, cfg.steps + 1):
     batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
     inputs, = pack_micro_batches(batch, [list(range(len(batch)))], cfg.row_tokens,
                                  max_new_tokens)
     params, opt_state, loss = trainer.step(params, opt_state, inputs, adapters)
-    if step % every == 0 or step == cfg.steps:
-      log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}")
+    losses.append(loss)  # Read on the host only where a stop_loss needs it, or to log.
+    reached = (cfg.stop_loss is not None and len(losses) >= cfg.stop_window
+               and float(np.mean(losses[-cfg.stop_window:])) < cfg.stop_loss)
+    if step % every == 0 or step == cfg.steps or reached:
+      log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}"
+          + (f" (mean of the last {cfg.stop_window} below {cfg.stop_loss}: done)"
+             if reached else ""))
+    if reached:
+      break
   if adapters is not None:
     params = merge_params(params, adapters)
-  return params, {"sft/final_loss": float(loss)}
+  return params, {"sft/final_loss": float(losses[-1]) if losses else float("nan"),
+                  "sft/steps": len(losses)}
 

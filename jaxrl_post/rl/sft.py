@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,21 +25,29 @@ from jaxrl_post.rl.trainer import merge_params
 @dataclasses.dataclass(frozen=True)
 class SftConfig:
   """Attributes:
-    steps: optimizer steps of warm-up (0: none).
+    steps: optimizer steps of warm-up (0: none); the most, with stop_loss.
     batch_size: examples per step.
     learning_rate: constant AdamW learning rate.
     row_tokens: packed row length.
+    stop_loss: end the warm-up early once the mean loss of the last `stop_window` steps
+      is below this (None: always run `steps`). How fast a model learns the format varies
+      with the seed; a loss target starts RL from a similar policy for every seed.
+    stop_window: steps averaged for stop_loss.
   """
 
   steps: int = 0
   batch_size: int = 64
   learning_rate: float = 1e-3
   row_tokens: int = 512
+  stop_loss: Optional[float] = None
+  stop_window: int = 10
 
   def __post_init__(self):
     if self.steps < 0:
       raise UserError(f"sft config: steps must be >= 0, got {self.steps}")
-    for name in ("batch_size", "row_tokens"):
+    if self.stop_loss is not None and not self.stop_loss > 0:
+      raise UserError(f"sft config: stop_loss must be > 0 or None, got {self.stop_loss}")
+    for name in ("batch_size", "row_tokens", "stop_window"):
       if getattr(self, name) < 1:
         raise UserError(f"sft config: {name} must be >= 1, got {getattr(self, name)}")
     if self.learning_rate <= 0:
