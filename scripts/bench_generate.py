@@ -3,7 +3,7 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N]
+      [--prefill_tokens_per_step N] [--no_overlap]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -15,7 +15,10 @@ new tokens, stopping at EOS. Both sides get the same prompt token ids.
   scheduler happens to batch, so a smaller warm-up job misses some);
   compiles_in_timed_run says none was left for the timed passes. Prefill and decode time
   are the engine's prefill and decode calls, each waited on; the rest of the wall time
-  (other_s) is the scheduler on the host.
+  (other_s) is the scheduler on the host. With overlapped decode (the default) the
+  scheduler launches the next decode call before it waits for the last, and decode time
+  is the host's time launching and waiting for calls: the host work done meanwhile is
+  hidden behind the devices and counts in neither. --no_overlap waits for every call.
 * transformers (the peer): `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in
   float32 on the same GGUF, left-padded batches of peer_batch prompts, `generate` with
   do_sample=False, torch threads = cores, one untimed warm-up batch. Prefill time is each
@@ -88,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="prompts per prefill call (where the engine has the setting)")
   p.add_argument("--prefill_tokens_per_step", type=int, default=2048,
                  help="prompt tokens prefilled between two decode calls")
+  p.add_argument("--no_overlap", action="store_true",
+                 help="wait for each decode call before the host goes on")
   p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
   args = p.parse_args(argv)
   for name in ("prompts", "new_tokens", "peer_batch", "repeats", "num_slots", "decode_steps",
@@ -164,7 +169,12 @@ class PhaseClock:
     self.calls = {"prefill": 0, "decode": 0}
     self._wrap(engine, "prefill_batch", "prefill",
                lambda: jax.block_until_ready(getattr(engine, "pool", None)))
-    self._wrap(engine, "generate", "decode", lambda: None)
+    # Decode calls: `generate` waits for its call; with overlapped decode the scheduler
+    # launches calls and later collects them, and only the host's time in those methods
+    # (launching, and blocked until a call is done) counts as decode.
+    for method in ("generate", "launch", "collect"):
+      if hasattr(engine, method):
+        self._wrap(engine, method, "decode", lambda: None)
 
   def _wrap(self, engine, method: str, phase: str, wait) -> None:
     inner = getattr(engine, method)
@@ -227,6 +237,9 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
   sampling = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
                             stop_ids=tuple(stop_ids))
   sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step)
+  if args.no_overlap:
+    sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step,
+                            overlap=False)
   start = time.perf_counter()
   generate(engine, prompts, sampling=sampling, scheduler=sched)
   warmup_s = time.perf_counter() - start
@@ -247,7 +260,8 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
                    engine={k: getattr(config, k) for k in
                            ("num_slots", "decode_steps", "prefill_chunk", "max_seq_len",
                             "prefill_rows") if hasattr(config, k)},
-                   prefill_tokens_per_step=args.prefill_tokens_per_step)
+                   prefill_tokens_per_step=args.prefill_tokens_per_step,
+                   overlap=not args.no_overlap)
     return figures, completions
 
   return run

@@ -56,9 +56,22 @@ def _close(got: list[dict], want: list[dict]) -> None:
         assert g[key] == w[key], (g["step"], key)
 
 
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+  """The default-placement run's metrics on n devices, each run once for this module."""
+  runs = {}
+
+  def get(n: int) -> list[dict]:
+    if n not in runs:
+      runs[n] = _run(tmp_path_factory.mktemp(f"baseline{n}"), n)
+    return runs[n]
+
+  return get
+
+
 @pytest.mark.slow
-def test_default_placement_runs_on_1_2_and_8_devices(tmp_path):
-  runs = {n: _run(tmp_path / f"d{n}", n) for n in (1, 2, 8)}
+def test_default_placement_runs_on_1_2_and_8_devices(baseline):
+  runs = {n: baseline(n) for n in (1, 2, 8)}
   for n, records in runs.items():
     assert [r["step"] for r in records] == [0, 1, 2], n
     assert records[-1]["weight_version"] == 2
@@ -67,7 +80,7 @@ def test_default_placement_runs_on_1_2_and_8_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path):
+def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path, baseline):
   """4 devices train (FSDP), 4 roll out (data 2 x tensor 2); sync reshards between them."""
   split = ["--gin_param=PlacementConfig.mode = 'split'",
            "--gin_param=PlacementConfig.trainer_devices = 4",
@@ -75,11 +88,11 @@ def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path):
            "--gin_param=rollout_mesh/MeshConfig.tensor = 2"]
   records = _run(tmp_path / "split", 8, split)
   assert records[-1]["weight_version"] == 2
-  _close(records, _run(tmp_path / "one", 1))
+  _close(records, baseline(1))
 
 
 @pytest.mark.slow
-def test_two_processes_write_the_metrics_of_one_process(tmp_path):
+def test_two_processes_write_the_metrics_of_one_process(tmp_path, baseline):
   port = free_port()
   workdir = tmp_path / "multi"
   procs = [subprocess.Popen(_cmd(workdir, [f"--coordinator_address=127.0.0.1:{port}",
@@ -97,7 +110,7 @@ def test_two_processes_write_the_metrics_of_one_process(tmp_path):
     assert p.returncode == 0, outs[-1][1][-3000:]
   assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
   assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "2"]
-  _close(read_metrics(str(workdir / "metrics.jsonl")), _run(tmp_path / "single", 8))
+  _close(read_metrics(str(workdir / "metrics.jsonl")), baseline(8))
 
 
 def _gsm8k_files(directory) -> None:

@@ -64,9 +64,12 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(range(7))
 
 
+def _train_args(workdir, extra=(), gin_file=QUICKSTART):
+  return _argv(workdir, ["Experiment.steps = 6", "LogSpec.progress = False", *extra], gin_file)
+
+
 def _train_cmd(workdir, extra=(), gin_file=QUICKSTART):
-  return [sys.executable, "-m", "jaxrl_post.train"] + _argv(
-      workdir, ["Experiment.steps = 6", "LogSpec.progress = False", *extra], gin_file)
+  return [sys.executable, "-m", "jaxrl_post.train"] + _train_args(workdir, extra, gin_file)
 
 
 def _wait_for_step(path, step, proc, timeout=300):
@@ -92,9 +95,8 @@ def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, gin_file,
   env = dict(os.environ, PYTHONPATH=ROOT)
   extra = [f"SyncConfig.every_n_steps = {sync_every}",
            f"CheckpointConfig.every_n_steps = {checkpoint_every}"]
-  straight = tmp_path / "straight"
-  subprocess.run(_train_cmd(straight, extra, gin_file), env=env, check=True,
-                 capture_output=True, timeout=600)
+  straight = tmp_path / "straight"  # In this process: it reuses the programs compiled here.
+  assert train.main(_train_args(straight, extra, gin_file)) == 0
   killed = tmp_path / "killed"
   proc = subprocess.Popen(_train_cmd(killed, extra, gin_file), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
