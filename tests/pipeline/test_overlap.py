@@ -94,9 +94,16 @@ def test_groups_are_reported_as_they_finish_and_match_generate(run, monkeypatch)
   from jaxrl_post.pipeline import rollouts
   from jaxrl_post.rollout import Request, generate
 
-  decodes = []  # One entry per decode call of the engine.
-  decode = run.engine.generate
-  monkeypatch.setattr(run.engine, "generate", lambda: decodes.append(1) or decode())
+  decodes = []  # One entry per decode call of the engine that decoded something.
+  collect = run.engine.collect  # The scheduler launches calls and collects them later.
+
+  def counted():
+    out = collect()
+    if (out.tokens >= 0).any():
+      decodes.append(1)
+    return out
+
+  monkeypatch.setattr(run.engine, "collect", counted)
   problems, prompts = run.prompts.next_batch(4)
   seen = []
   groups = rollouts.sample_groups(
