@@ -215,7 +215,7 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
 
   The tokens are one [B * T] axis inside: the weight gradient is then a plain matmul of
   two 2-D operands, where [B, T] axes made XLA's CPU backend transpose each activation
-  gradient into a [features, B * T] copy first (a fifth of a train step's time).
+  gradient into a [features, B * T] copy first (bench_step: the train phase 2.12 -> 1.87 s).
   """
   lead = x.shape[:2]
   x = x.reshape((-1,) + x.shape[2:])
