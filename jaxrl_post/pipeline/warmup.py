@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
+from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, Tokenizer, abstract_model
 from jaxrl_post.models.transformer import split_adapters
 from jaxrl_post.rewards import Task
@@ -53,24 +54,50 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
     adapters, params = split_adapters(params)
   opt_state = trainer.init(params)
   rng = np.random.default_rng([seed, 0x5F7])
+  probe = _accuracy_probe(trainer, task, tokenizer, cfg, prompt_cfg, max_new_tokens, seed)
   every = max(1, cfg.steps // 5)
-  losses = []
+  losses, accuracy = [], None
   for step in range(1, cfg.steps + 1):
     batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
     inputs, = pack_micro_batches(batch, [list(range(len(batch)))], cfg.row_tokens,
                                  max_new_tokens)
     params, opt_state, loss = trainer.step(params, opt_state, inputs, adapters)
-    losses.append(loss)  # Read on the host only where a stop_loss needs it, or to log.
-    reached = (cfg.stop_loss is not None and len(losses) >= cfg.stop_window
-               and float(np.mean(losses[-cfg.stop_window:])) < cfg.stop_loss)
-    if step % every == 0 or step == cfg.steps or reached:
+    losses.append(loss)  # Read on the host only where a stop test needs it, or to log.
+    done = None
+    if cfg.stop_loss is not None and len(losses) >= cfg.stop_window:
+      if float(np.mean(losses[-cfg.stop_window:])) < cfg.stop_loss:
+        done = f"mean of the last {cfg.stop_window} below {cfg.stop_loss}"
+    if probe is not None and step % cfg.stop_window == 0:
+      accuracy = probe(params, adapters)
+      if accuracy >= cfg.stop_accuracy:
+        done = f"greedy accuracy {accuracy:.3f} >= {cfg.stop_accuracy}"
+    if step % every == 0 or step == cfg.steps or done:
       log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}"
-          + (f" (mean of the last {cfg.stop_window} below {cfg.stop_loss}: done)"
-             if reached else ""))
-    if reached:
+          + (f" ({done}: done)" if done else ""))
+    if done:
       break
   if adapters is not None:
     params = merge_params(params, adapters)
-  return params, {"sft/final_loss": float(losses[-1]) if losses else float("nan"),
-                  "sft/steps": len(losses)}
+  metrics = {"sft/final_loss": float(losses[-1]) if losses else float("nan"),
+             "sft/steps": len(losses)}
+  if accuracy is not None:
+    metrics["sft/greedy_accuracy"] = accuracy
+  return params, metrics
+
+
+def _accuracy_probe(trainer: SftTrainer, task: Task, tokenizer: Tokenizer, cfg: SftConfig,
+                    prompt_cfg: PromptConfig, max_new_tokens: int, seed: int):
+  """None without cfg.stop_accuracy; else (params, adapters) -> greedy accuracy on a fixed
+  draw of training problems, packed once."""
+  if cfg.stop_accuracy is None:
+    return None
+  rng = np.random.default_rng([seed, 0x5F8])  # Apart from the training batches' stream.
+  examples = sft_examples(task, tokenizer, prompt_cfg, cfg.stop_examples, max_new_tokens, rng)
+  if not examples:
+    raise UserError("sft config: stop_accuracy needs problems with reference answers in "
+                    "the task's training split; it has none")
+  inputs, = pack_micro_batches(examples, [list(range(len(examples)))], cfg.row_tokens,
+                               max_new_tokens)
+  return lambda params, adapters: float(
+      np.sum(trainer.greedy_matches(params, inputs, adapters))) / len(examples)
 

@@ -18,7 +18,9 @@ import optax
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Transformer
-from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
+from jaxrl_post.models.transformer import with_params
+from jaxrl_post.rl.forward import PackedInputs, completion_logprobs, head_inputs
+from jaxrl_post.rl.packing import gather_completions
 from jaxrl_post.rl.trainer import merge_params
 
 
@@ -32,7 +34,13 @@ class SftConfig:
     stop_loss: end the warm-up early once the mean loss of the last `stop_window` steps
       is below this (None: always run `steps`). How fast a model learns the format varies
       with the seed; a loss target starts RL from a similar policy for every seed.
-    stop_window: steps averaged for stop_loss.
+    stop_window: steps averaged for stop_loss; steps between the checks of stop_accuracy.
+    stop_accuracy: end the warm-up early once the greedy accuracy on `stop_examples`
+      problems of the training split reaches this (None: no such check). Measured by
+      teacher forcing: a completion counts when the argmax at every position is its
+      reference token, which is exactly when greedy decoding writes that answer. RL then
+      starts from a policy of known skill, whatever the seed or the machine's numerics.
+    stop_examples: problems in that check (drawn once, apart from the training batches).
   """
 
   steps: int = 0
@@ -41,13 +49,18 @@ class SftConfig:
   row_tokens: int = 512
   stop_loss: Optional[float] = None
   stop_window: int = 10
+  stop_accuracy: Optional[float] = None
+  stop_examples: int = 256
 
   def __post_init__(self):
     if self.steps < 0:
       raise UserError(f"sft config: steps must be >= 0, got {self.steps}")
     if self.stop_loss is not None and not self.stop_loss > 0:
       raise UserError(f"sft config: stop_loss must be > 0 or None, got {self.stop_loss}")
-    for name in ("batch_size", "row_tokens", "stop_window"):
+    if self.stop_accuracy is not None and not 0.0 < self.stop_accuracy <= 1.0:
+      raise UserError(f"sft config: stop_accuracy must be in (0, 1] or None, got "
+                      f"{self.stop_accuracy}")
+    for name in ("batch_size", "row_tokens", "stop_window", "stop_examples"):
       if getattr(self, name) < 1:
         raise UserError(f"sft config: {name} must be >= 1, got {getattr(self, name)}")
     if self.learning_rate <= 0:
@@ -79,3 +92,16 @@ class SftTrainer:
     loss, grads = jax.value_and_grad(lambda p: sft_loss(self.model, full(p), inputs))(params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def greedy_matches(self, params, inputs: PackedInputs, frozen=None):
+    """[B] bool: the model's argmax is the reference at every completion position (so
+    greedy decoding writes exactly that completion); False for padding completions."""
+    m = with_params(self.model, params if frozen is None else merge_params(params, frozen))
+    hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)
+    h, targets = head_inputs(hidden, inputs.targets, inputs.head_index)  # [G, n, D], [G, n]
+    hit = (jnp.argmax(m.logits(h), axis=-1) == targets).astype(jnp.float32).reshape(-1)
+    mask = inputs.completion_mask
+    per_token = gather_completions(hit, inputs.head_slot, mask)  # [B, T]
+    return jnp.all((per_token > 0) | (mask == 0), axis=1) & jnp.any(mask > 0, axis=1)
+

@@ -1,4 +1,5 @@
-"""The supervised warm-up: a loss target ends it early; with LoRA it trains the base only."""
+"""The supervised warm-up: a loss or accuracy target ends it early; with LoRA it trains the
+base only."""
 
 import dataclasses
 
@@ -41,6 +42,17 @@ def test_a_loss_target_ends_the_warm_up_early_and_says_so():
   target = full["sft/final_loss"] + 1.0
   _, _, mid, _ = _warm_up(dataclasses.replace(cfg, stop_loss=target))
   assert 3 <= mid["sft/steps"] < 40
+
+
+def test_an_accuracy_target_ends_the_warm_up_once_greedy_decoding_reaches_it():
+  cfg = SftConfig(steps=60, batch_size=16, row_tokens=64, learning_rate=3e-3, stop_window=5,
+                  stop_examples=64)
+  _, _, full, _ = _warm_up(dataclasses.replace(cfg, stop_accuracy=1.0))  # Out of reach.
+  assert full["sft/steps"] == 60 and 0.0 < full["sft/greedy_accuracy"] < 1.0
+  target = full["sft/greedy_accuracy"]
+  _, _, mid, logs = _warm_up(dataclasses.replace(cfg, stop_accuracy=target))
+  assert mid["sft/steps"] % 5 == 0 and mid["sft/greedy_accuracy"] >= target
+  assert "greedy accuracy" in logs[-1] and "done" in logs[-1]
 
 
 def test_with_lora_the_warm_up_trains_the_base_and_leaves_the_adapters():

@@ -46,3 +46,25 @@ def test_steps_lower_the_loss():
 def test_config_validation():
   with pytest.raises(UserError, match="learning_rate"):
     SftConfig(learning_rate=0.0)
+
+
+def test_greedy_matches_is_greedy_decoding_writing_the_completion():
+  model = init_model(CFG, 0)
+
+  def greedy(prompt, n):  # Dense greedy decoding, one token at a time.
+    seq = list(prompt)
+    for _ in range(n):
+      x = jnp.asarray([seq])
+      logits = model.logits(model(x, jnp.arange(len(seq))[None], jnp.ones_like(x)))
+      seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+  examples, want = [], []
+  for x in range(2, 8):
+    own = greedy([1, x], 3)
+    examples += [Trajectory([1, x], own), Trajectory([1, x], own[:2]),
+                 Trajectory([1, x], [own[0], (own[1] + 1) % CFG.vocab_size, own[2]])]
+    want += [True, True, False]  # A wrong middle token fails, even with the last right.
+  inputs = PackedInputs.from_packed(pack(examples, 32, max_completion=3))
+  got = SftTrainer(model, SftConfig()).greedy_matches(params_of(model), inputs)
+  assert [bool(g) for g in np.asarray(got)] == want
