@@ -96,7 +96,11 @@ def sample(logits, keys, temperature, top_k, top_p):
   needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
   cut = jax.lax.cond(needs_cut, truncate, lambda s, k, p: s, scaled, top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  best = jnp.argmax(logits, axis=-1)
+  # A draw makes [B, V] random bits, a large part of a greedy decode step on a CPU: skip
+  # it when every row is greedy (evaluation, greedy generation).
+  drawn = jax.lax.cond(jnp.all(greedy), lambda k, s: best,
+                       lambda k, s: jax.vmap(jax.random.categorical)(k, s), keys, scaled)
+  tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
   logp = jax.nn.log_softmax(scaled, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

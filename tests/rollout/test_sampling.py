@@ -80,3 +80,17 @@ def test_keys_depend_on_seed_sample_and_token_index_only():
   assert len({tuple(r) for r in a}) == 4
   want = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 1), 3)
   np.testing.assert_array_equal(a[1], np.asarray(jax.random.key_data(want)))
+
+
+def test_an_all_greedy_batch_gives_the_argmax_and_its_model_logprob():
+  # Every row greedy: the draw (and its random bits) is skipped; the result is the same.
+  rng = np.random.default_rng(1)
+  logits = (2.0 * rng.normal(size=(4, V))).astype(np.float32)
+  keys = token_keys(jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32),
+                    jnp.zeros(4, jnp.int32))
+  tok, lp = jax.jit(sample)(jnp.asarray(logits), keys, np.zeros(4, np.float32),
+                            np.zeros(4, np.int32), np.ones(4, np.float32))
+  np.testing.assert_array_equal(np.asarray(tok), np.argmax(logits, axis=1))
+  want = np.stack([H.log_softmax(r.astype(np.float64)) for r in logits])
+  np.testing.assert_allclose(np.asarray(lp), want[np.arange(4), np.argmax(logits, axis=1)],
+                             atol=1e-5)
