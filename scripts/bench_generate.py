@@ -3,7 +3,7 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N] [--no_overlap]
+      [--prefill_tokens_per_step N] [--no_overlap] [--no_prefix_cache]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -19,6 +19,10 @@ new tokens, stopping at EOS. Both sides get the same prompt token ids.
   scheduler launches the next decode call before it waits for the last, and decode time
   is the host's time launching and waiting for calls: the host work done meanwhile is
   hidden behind the devices and counts in neither. --no_overlap waits for every call.
+  The engine's prefix cache is on (the chat template's system turn is prefilled once per
+  page-aligned run of shared tokens); every timed pass starts with an empty cache, and
+  prefill_tokens_cached says how many prompt tokens came from it. --no_prefix_cache
+  prefills every prompt whole.
 * transformers (the peer): `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in
   float32 on the same GGUF, left-padded batches of peer_batch prompts, `generate` with
   do_sample=False, torch threads = cores, one untimed warm-up batch. Prefill time is each
@@ -91,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="prompts per prefill call (where the engine has the setting)")
   p.add_argument("--prefill_tokens_per_step", type=int, default=2048,
                  help="prompt tokens prefilled between two decode calls")
+  p.add_argument("--no_prefix_cache", action="store_true",
+                 help="prefill every prompt whole (no reuse of shared leading tokens)")
   p.add_argument("--no_overlap", action="store_true",
                  help="wait for each decode call before the host goes on")
   p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
@@ -221,8 +227,11 @@ def engine_config(args, prompt_lens: list[int]):
                prefill_chunk=args.prefill_chunk, max_seq_len=pages * PAGE_SIZE,
                min_table_pages=1,
                pool=PoolConfig(page_size=PAGE_SIZE, num_pages=(args.num_slots + 1) * pages + 1))
-  if "prefill_rows" in {f.name for f in dataclasses.fields(EngineConfig)}:
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  if "prefill_rows" in fields:
     knobs["prefill_rows"] = args.prefill_rows
+  if "prefix_cache" in fields:
+    knobs["prefix_cache"] = not args.no_prefix_cache
   return EngineConfig(**knobs)
 
 
@@ -246,6 +255,9 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
 
   def run() -> tuple[dict, list[list[int]]]:
     clock.reset()
+    if hasattr(engine, "drop_prefix_cache"):
+      engine.drop_prefix_cache()  # Every pass prefills the job's prompts itself.
+    cached_before = getattr(engine, "cached_prompt_tokens", 0)
     compiled_before = compiles.count
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = generate(engine, prompts, sampling=sampling, scheduler=sched)
@@ -254,12 +266,14 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
     figures = rates(wall, clock.seconds["prefill"], clock.seconds["decode"],
                     sum(len(p) for p in prompts), completions)
     figures.update(cpu_s=round(cpu, 1), prefill_calls=clock.calls["prefill"],
+                   prefill_tokens_cached=getattr(engine, "cached_prompt_tokens", 0)
+                   - cached_before,
                    decode_calls=clock.calls["decode"],
                    compiles_in_timed_run=compiles.count - compiled_before,
                    warmup_s=round(warmup_s, 1),
                    engine={k: getattr(config, k) for k in
                            ("num_slots", "decode_steps", "prefill_chunk", "max_seq_len",
-                            "prefill_rows") if hasattr(config, k)},
+                            "prefill_rows", "prefix_cache") if hasattr(config, k)},
                    prefill_tokens_per_step=args.prefill_tokens_per_step,
                    overlap=not args.no_overlap)
     return figures, completions

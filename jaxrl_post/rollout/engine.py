@@ -45,6 +45,7 @@ from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
                                       PoolConfig, cdiv, copy_pool_pages,
                                       resolve_num_pages)
+from jaxrl_post.rollout.prefix_cache import PrefixCache
 from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
 from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
 from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, tree_shardings
@@ -74,6 +75,10 @@ class EngineConfig:
       reading the prompt's shared pages once per block (see the module docstring).
       num_slots must be a multiple. Pick the usual samples per prompt: a prompt with
       fewer samples leaves the rest of its block idle until the block empties.
+    prefix_cache: keep prefilled prompts' whole pages, so later prompts that start with
+      the same tokens (a chat template, a system prompt, a few-shot preamble) reuse their
+      K/V instead of prefilling it (see rollout.prefix_cache). The cache holds its pages
+      until the pool runs short, the weights change, or `drop_prefix_cache`.
   """
 
   num_slots: int = 8
@@ -86,6 +91,7 @@ class EngineConfig:
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
   group_slots: int = 0
+  prefix_cache: bool = False
 
   def __post_init__(self):
     for name in ("num_slots", "decode_steps", "prefill_chunk", "prefill_rows",
@@ -368,6 +374,7 @@ class Engine:
     self.model_config, self.config = model_config, config
     self.layout = RolloutLayout.build(model_config, mesh)
     self.shards = self.layout.data_shards
+    self.prefix_caches: list[PrefixCache] = []
     self.set_weights(params, version)
     self.kv_dtype = jnp.dtype(config.kv_dtype or model_config.compute_dtype)
     self.page_size = config.pool.page_size
@@ -378,6 +385,8 @@ class Engine:
     self.pool = _zeros_pool(model_config, self.shards * num_pages, self.page_size,
                             self.kv_dtype, self.layout)
     self.allocs = [PageAllocator(num_pages) for _ in range(self.shards)]
+    if config.prefix_cache:
+      self.prefix_caches = [PrefixCache(a, self.page_size) for a in self.allocs]
     context = model_config.max_position_embeddings
     self.max_seq_len = min(config.max_seq_len or context, context)
     self.max_pages = cdiv(self.max_seq_len, self.page_size)
@@ -420,6 +429,8 @@ class Engine:
                                self.layout.mesh)
     self.params = jax.tree.map(_placed, params, shardings)
     self.version = int(version)
+    for cache in self.prefix_caches:  # Cached K/V came from the old weights.
+      cache.clear()
 
   # ------------------------------------------------------------------ queries
 
@@ -503,7 +514,10 @@ class Engine:
     if len(prompt) % self.page_size:
       need -= 1  # The last sample inherits the partial prompt page instead of copying it.
     if not alloc.reserve(need):
-      return None
+      if not self.prefix_caches or not self.prefix_caches[shard].evict(need - alloc.available):
+        return None
+      if not alloc.reserve(need):
+        return None
     seq = PagedSequence(alloc, self.page_size, reserved=need)
     seq.grow(len(prompt))
     return Prefix(prompt, sampling, int(seed), tuple(int(i) for i in sample_ids), seq, private,
@@ -523,6 +537,10 @@ class Engine:
     per data shard, each in its own row of that shard. The samples of every prefix that
     completes draw their first tokens together, in one more call, fetched once.
     Returns, per prefix, whether it is done."""
+    if self.prefix_caches:
+      for prefix in prefixes:
+        if prefix.prefilled == 0:
+          self._reuse_cached_pages(prefix)
     per_shard = [[p for p in prefixes if p.shard == s] for s in range(self.shards)]
     rows = _pow2_at_least(max(len(group) for group in per_shard))
     assert rows <= _pow2_at_least(self.prefill_rows), (rows, self.prefill_rows)
@@ -547,9 +565,31 @@ class Engine:
       prefix.prefilled += n
       if prefix.prefilled == len(prefix.prompt):
         finished.append(prefix)
+        if self.prefix_caches:
+          self.prefix_caches[prefix.shard].add(prefix.prompt, prefix.seq.pages)
     if finished:
       self._draw_first_tokens(finished, [row_of[id(p)] for p in finished], logits)
     return [p.done for p in prefixes]
+
+  def _reuse_cached_pages(self, prefix: Prefix) -> None:
+    """A prompt about to be prefilled takes the cached pages of its leading tokens in
+    place of its own (freed), and starts its prefill after them."""
+    alloc = self.allocs[prefix.shard]
+    for i, page in enumerate(self.prefix_caches[prefix.shard].match(prefix.prompt)):
+      alloc.share(page)
+      alloc.release(prefix.seq.pages[i])
+      prefix.seq.pages[i] = page
+      prefix.prefilled += self.page_size
+
+  @property
+  def cached_prompt_tokens(self) -> int:
+    """Prompt tokens served from the prefix cache instead of prefilled, so far."""
+    return sum(c.hit_tokens for c in self.prefix_caches)
+
+  def drop_prefix_cache(self) -> None:
+    """Releases every cached page (pages in use by sequences stay theirs)."""
+    for cache in self.prefix_caches:
+      cache.clear()
 
   def _draw_first_tokens(self, prefixes: list[Prefix], rows: list[int], logits) -> None:
     """Every sample's first token for these prefixes (prefill rows `rows` of `logits`)."""

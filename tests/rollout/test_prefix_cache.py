@@ -1,0 +1,86 @@
+"""The prefix cache: prompts that share leading whole pages reuse their K/V, and the
+result is what prefilling every prompt whole gives."""
+
+import numpy as np
+
+from jaxrl_post.models.decode import generate_dense
+from jaxrl_post.rollout import SamplingParams, generate
+from jaxrl_post.rollout.pages import PageAllocator
+from jaxrl_post.rollout.prefix_cache import PrefixCache
+from tests.rollout import helpers as H
+
+PS = H.PAGE_SIZE
+
+
+def _shared_prompts(rng, n, shared_tokens):
+  head = rng.integers(0, H.CFG.vocab_size, size=shared_tokens).tolist()
+  return [head + t for t in H.prompts(rng, rng.integers(1, 9, size=n))]
+
+
+def test_match_takes_whole_leading_pages_and_leaves_the_last_token():
+  alloc = PageAllocator(16)
+  cache = PrefixCache(alloc, PS)
+  prompt = np.arange(3 * PS, dtype=np.int32)  # Exactly three pages.
+  alloc.reserve(3)
+  pages = [alloc.take_reserved() for _ in range(3)]
+  cache.add(prompt, pages)
+  assert len(cache) == 3 and all(alloc.refcount[p] == 2 for p in pages)
+  # The same prompt: its last page holds its last token, which must be prefilled.
+  assert cache.match(prompt) == pages[:2]
+  longer = np.concatenate([prompt, [7]]).astype(np.int32)
+  assert cache.match(longer) == pages
+  other = prompt.copy()
+  other[PS + 1] += 1  # Differs in the second page: only the first matches.
+  assert cache.match(other) == pages[:1]
+  assert cache.hit_tokens == (2 + 3 + 1) * PS
+
+
+def test_evict_frees_only_pages_nobody_else_holds_oldest_first():
+  alloc = PageAllocator(16)
+  cache = PrefixCache(alloc, PS)
+  alloc.reserve(4)
+  a = [alloc.take_reserved() for _ in range(2)]
+  b = [alloc.take_reserved() for _ in range(2)]
+  cache.add(np.zeros(2 * PS, np.int32), a)
+  cache.add(np.ones(2 * PS, np.int32), b)
+  for p in b:
+    alloc.release(p)  # Only the cache holds b; a's sequence still holds a.
+  assert cache.evict(5) == 2 and len(cache) == 2
+  assert all(alloc.refcount[p] == 0 for p in b) and all(alloc.refcount[p] == 2 for p in a)
+  cache.clear()
+  assert all(alloc.refcount[p] == 1 for p in a) and len(cache) == 0
+
+
+def test_cached_prompts_decode_as_prefilling_them_whole():
+  rng = np.random.default_rng(0)
+  prompts = _shared_prompts(rng, 12, 3 * PS + 2)
+  greedy = SamplingParams(temperature=0.0, max_tokens=6)
+  eng = H.engine(prefix_cache=True, num_slots=4, prefill_rows=2)
+  out = generate(eng, prompts, sampling=greedy)
+  ref = generate_dense(H.model(), prompts, max_new_tokens=6)
+  assert [list(o[0].tokens) for o in out] == ref.tokens
+  # Prefill calls after the first reuse the shared three pages of every later prompt.
+  assert eng.cached_prompt_tokens == (len(prompts) - 2) * 3 * PS
+  plain = generate(H.engine(num_slots=4, prefill_rows=2), prompts, sampling=greedy)
+  for a, b in zip(out, plain):
+    np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=H.LOGPROB_TOL)
+  # Only the cache holds pages now: its entries, until dropped.
+  assert eng.pages_in_use == len(eng.prefix_caches[0]) > 0 and eng.alloc.reserved == 0
+  eng.drop_prefix_cache()
+  assert eng.pages_in_use == 0
+
+
+def test_new_weights_clear_the_cache_and_a_short_pool_evicts_it():
+  rng = np.random.default_rng(1)
+  greedy = SamplingParams(temperature=0.0, max_tokens=4)
+  eng = H.engine(prefix_cache=True, num_slots=4, prefill_rows=2)
+  generate(eng, _shared_prompts(rng, 4, 2 * PS), sampling=greedy)
+  assert len(eng.prefix_caches[0]) > 0
+  eng.set_weights(eng.params, version=1)
+  assert len(eng.prefix_caches[0]) == 0 and eng.pages_in_use == 0
+  # Many distinct long prompts: the cache fills the pool and gives pages back on demand.
+  prompts = H.prompts(rng, [6 * PS + 1] * 40)
+  out = generate(eng, prompts, sampling=greedy)
+  ref = generate_dense(H.model(), prompts, max_new_tokens=4)
+  assert [list(o[0].tokens) for o in out] == ref.tokens
+  assert eng.pages_in_use == len(eng.prefix_caches[0]) <= eng.alloc.usable
