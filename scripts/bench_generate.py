@@ -3,7 +3,7 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N] [--no_overlap] [--no_prefix_cache]
+      [--prefill_tokens_per_step N] [--page_size 16] [--no_overlap] [--no_prefix_cache]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -65,7 +65,6 @@ import time
 import numpy as np
 
 MODEL = "smollm2-135m-instruct"
-PAGE_SIZE = 16
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 _TOPICS = ("the sea", "a cat", "autumn leaves", "coffee", "the moon", "a library", "rain",
@@ -95,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="prompts per prefill call (where the engine has the setting)")
   p.add_argument("--prefill_tokens_per_step", type=int, default=2048,
                  help="prompt tokens prefilled between two decode calls")
+  p.add_argument("--page_size", type=int, default=16,
+                 help="KV page size: the prefix cache shares whole pages only")
   p.add_argument("--no_prefix_cache", action="store_true",
                  help="prefill every prompt whole (no reuse of shared leading tokens)")
   p.add_argument("--no_overlap", action="store_true",
@@ -102,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
   args = p.parse_args(argv)
   for name in ("prompts", "new_tokens", "peer_batch", "repeats", "num_slots", "decode_steps",
-               "prefill_chunk", "prefill_rows", "prefill_tokens_per_step"):
+               "prefill_chunk", "prefill_rows", "prefill_tokens_per_step", "page_size"):
     if getattr(args, name) < 1:
       p.error(f"--{name} must be >= 1")
   return args
@@ -222,11 +223,12 @@ def engine_config(args, prompt_lens: list[int]):
   from jaxrl_post.rollout.pages import cdiv
 
   longest = max(prompt_lens) + args.new_tokens
-  pages = cdiv(longest, PAGE_SIZE)
+  ps = args.page_size
+  pages = cdiv(longest, ps)
   knobs = dict(num_slots=args.num_slots, decode_steps=args.decode_steps,
-               prefill_chunk=args.prefill_chunk, max_seq_len=pages * PAGE_SIZE,
+               prefill_chunk=args.prefill_chunk, max_seq_len=pages * ps,
                min_table_pages=1,
-               pool=PoolConfig(page_size=PAGE_SIZE, num_pages=(args.num_slots + 1) * pages + 1))
+               pool=PoolConfig(page_size=ps, num_pages=(args.num_slots + 1) * pages + 1))
   fields = {f.name for f in dataclasses.fields(EngineConfig)}
   if "prefill_rows" in fields:
     knobs["prefill_rows"] = args.prefill_rows

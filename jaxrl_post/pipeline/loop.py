@@ -113,7 +113,7 @@ class RLRun:
     params, metrics = warm_up(self.model_cfg, params, self.task, self.tokenizer,
                               self.exp.sft, self.exp.prompts, self.exp.rollout.max_new_tokens,
                               self.exp.seed, self.log)
-    progress.counters.update(metrics)  # sft/final_loss, sft/steps: step 0's metrics
+    progress.counters.update(metrics)  # Step 0's metrics: sft/final_loss, sft/steps, ...
     return params
 
   def _restore(self, step: int) -> Progress:
