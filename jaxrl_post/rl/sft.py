@@ -104,4 +104,3 @@ class SftTrainer:
     mask = inputs.completion_mask
     per_token = gather_completions(hit, inputs.head_slot, mask)  # [B, T]
     return jnp.all((per_token > 0) | (mask == 0), axis=1) & jnp.any(mask > 0, axis=1)
-
