@@ -574,12 +574,9 @@ class Engine:
   def _reuse_cached_pages(self, prefix: Prefix) -> None:
     """A prompt about to be prefilled takes the cached pages of its leading tokens in
     place of its own (freed), and starts its prefill after them."""
-    alloc = self.allocs[prefix.shard]
-    for i, page in enumerate(self.prefix_caches[prefix.shard].match(prefix.prompt)):
-      alloc.share(page)
-      alloc.release(prefix.seq.pages[i])
-      prefix.seq.pages[i] = page
-      prefix.prefilled += self.page_size
+    pages = self.prefix_caches[prefix.shard].match(prefix.prompt)
+    prefix.seq.share_leading(pages)
+    prefix.prefilled = len(pages) * self.page_size
 
   @property
   def cached_prompt_tokens(self) -> int:

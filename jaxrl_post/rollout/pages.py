@@ -200,6 +200,14 @@ class PagedSequence:
       self.pages.append(self.alloc.take_reserved())
       self.reserved -= 1
 
+  def share_leading(self, pages: list[int]) -> None:
+    """Takes these pages (holding the same leading tokens, e.g. from a prefix cache) in
+    place of its first len(pages), which it gives back."""
+    for i, page in enumerate(pages):
+      self.alloc.share(page)
+      self.alloc.release(self.pages[i])
+      self.pages[i] = page
+
   def fork(self, reserved: int) -> "PagedSequence":
     """A child sharing every page, with `reserved` pages moved from this reservation."""
     assert reserved <= self.reserved, (reserved, self.reserved)
