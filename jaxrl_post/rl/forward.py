@@ -66,10 +66,8 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
     with_values: also return the critic's values [B, T] of the states that sampled each
       completion token (the model needs a value head).
   """
-  m = with_params(model, params)
-  hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)  # [R, S, D]
-  h, targets = head_inputs(hidden, inputs.targets, inputs.head_index)  # [G, n, D], [G, n]
-  lm_head = m.lm_head_weight().astype(hidden.dtype)
+  m, h, targets = head_states(model, params, inputs)
+  lm_head = m.lm_head_weight().astype(h.dtype)
   logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking)
 
   def gather(x):  # [G, n] (all-gathered on a mesh: small) -> [B, T]
@@ -79,6 +77,14 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
   if with_values:
     return gather(logp), gather(ent), gather(m.values(h))
   return gather(logp), gather(ent)
+
+
+def head_states(model: Transformer, params: dict, inputs: PackedInputs):
+  """(the model bound to params, hidden states [G, n, D], targets [G, n]) at the batch's
+  head positions: the forward every per-completion-token quantity starts from."""
+  m = with_params(model, params)
+  hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)  # [R, S, D]
+  return (m, *head_inputs(hidden, inputs.targets, inputs.head_index))
 
 
 def head_inputs(hidden, targets, head_index):

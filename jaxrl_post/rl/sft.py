@@ -18,8 +18,7 @@ import optax
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Transformer
-from jaxrl_post.models.transformer import with_params
-from jaxrl_post.rl.forward import PackedInputs, completion_logprobs, head_inputs
+from jaxrl_post.rl.forward import PackedInputs, completion_logprobs, head_states
 from jaxrl_post.rl.packing import gather_completions
 from jaxrl_post.rl.trainer import merge_params
 
@@ -74,6 +73,10 @@ def sft_loss(model: Transformer, params: dict, inputs: PackedInputs) -> jax.Arra
   return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _with_frozen(params: dict, frozen: dict | None) -> dict:
+  return params if frozen is None else merge_params(params, frozen)
+
+
 class SftTrainer:
   """Jitted AdamW steps on `sft_loss`; parameters stay in the caller's layout."""
 
@@ -88,8 +91,8 @@ class SftTrainer:
   def step(self, params, opt_state, inputs: PackedInputs, frozen=None):
     """One AdamW step on a packed batch; (params, opt_state, loss). Donates params and
     opt_state. `frozen`: further parameters the model reads but the step leaves alone."""
-    full = lambda p: p if frozen is None else merge_params(p, frozen)
-    loss, grads = jax.value_and_grad(lambda p: sft_loss(self.model, full(p), inputs))(params)
+    loss, grads = jax.value_and_grad(
+        lambda p: sft_loss(self.model, _with_frozen(p, frozen), inputs))(params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -97,9 +100,7 @@ class SftTrainer:
   def greedy_matches(self, params, inputs: PackedInputs, frozen=None):
     """[B] bool: the model's argmax is the reference at every completion position (so
     greedy decoding writes exactly that completion); False for padding completions."""
-    m = with_params(self.model, params if frozen is None else merge_params(params, frozen))
-    hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)
-    h, targets = head_inputs(hidden, inputs.targets, inputs.head_index)  # [G, n, D], [G, n]
+    m, h, targets = head_states(self.model, _with_frozen(params, frozen), inputs)
     hit = (jnp.argmax(m.logits(h), axis=-1) == targets).astype(jnp.float32).reshape(-1)
     mask = inputs.completion_mask
     per_token = gather_completions(hit, inputs.head_slot, mask)  # [B, T]
