@@ -3,7 +3,8 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N] [--page_size 16] [--no_overlap] [--no_prefix_cache]
+      [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 4] [--no_overlap]
+      [--no_prefix_cache]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -96,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="prompt tokens prefilled between two decode calls")
   p.add_argument("--page_size", type=int, default=16,
                  help="KV page size: the prefix cache shares whole pages only")
+  p.add_argument("--decode_buckets", type=int, default=4,
+                 help="widths a decode step may run its live slots at (1: every slot)")
   p.add_argument("--no_prefix_cache", action="store_true",
                  help="prefill every prompt whole (no reuse of shared leading tokens)")
   p.add_argument("--no_overlap", action="store_true",
@@ -234,6 +237,8 @@ def engine_config(args, prompt_lens: list[int]):
     knobs["prefill_rows"] = args.prefill_rows
   if "prefix_cache" in fields:
     knobs["prefix_cache"] = not args.no_prefix_cache
+  if "decode_buckets" in fields:
+    knobs["decode_buckets"] = args.decode_buckets
   return EngineConfig(**knobs)
 
 
@@ -275,7 +280,8 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
                    warmup_s=round(warmup_s, 1),
                    engine={k: getattr(config, k) for k in
                            ("num_slots", "decode_steps", "prefill_chunk", "max_seq_len",
-                            "prefill_rows", "prefix_cache") if hasattr(config, k)},
+                            "prefill_rows", "prefix_cache", "decode_buckets")
+                            if hasattr(config, k)},
                    prefill_tokens_per_step=args.prefill_tokens_per_step,
                    overlap=not args.no_overlap)
     return figures, completions

@@ -39,7 +39,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.transformer import (Transformer, abstract_model, logical_axes,
                                            params_of, with_params)
-from jaxrl_post.rollout import forward
+from jaxrl_post.rollout import compact, forward
 from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
@@ -75,6 +75,11 @@ class EngineConfig:
       reading the prompt's shared pages once per block (see the module docstring).
       num_slots must be a multiple. Pick the usual samples per prompt: a prompt with
       fewer samples leaves the rest of its block idle until the block empties.
+    decode_buckets: a decode step runs only the live slots of each data shard, padded to
+      the narrowest of this many evenly spaced widths (see rollout.compact): slots that
+      finished or wait to be refilled cost nothing. 1 runs every slot at every step; each
+      width is one more compiled copy of the decode step. Cascade decode (group_slots)
+      always runs every slot.
     prefix_cache: keep prefilled prompts' whole pages, so later prompts that start with
       the same tokens (a chat template, a system prompt, a few-shot preamble) reuse their
       K/V instead of prefilling it (see rollout.prefix_cache). The cache holds its pages
@@ -91,11 +96,12 @@ class EngineConfig:
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
   group_slots: int = 0
+  decode_buckets: int = 4
   prefix_cache: bool = False
 
   def __post_init__(self):
     for name in ("num_slots", "decode_steps", "prefill_chunk", "prefill_rows",
-                 "max_stop_ids", "min_table_pages"):
+                 "max_stop_ids", "min_table_pages", "decode_buckets"):
       if getattr(self, name) < 1:
         raise UserError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
     if self.group_slots < 0:
@@ -147,10 +153,11 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
   return with_params(_template(cfg), params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "buckets"),
                    donate_argnames=("pool", "state"))
 def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
-                 cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None):
+                 cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
+                 buckets: int = 1):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
@@ -167,7 +174,7 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   table = _loop_table(full, shared, width, pool.k.shape[3])
   with activation_rules(ROLLOUT_RULES, layout.mesh):
     pool, state, out_tokens, out_logprobs = _decode_steps(
-        params, pool, state._replace(page_table=table), shared, cfg, steps, layout)
+        params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets)
   state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
                        state._replace(page_table=full))
   whole = lambda x: jax.lax.with_sharding_constraint(x, layout.replicated)
@@ -208,9 +215,10 @@ class _Launched(NamedTuple):
   version: int
 
 
-def _decode_steps(params, pool, state, shared, cfg, steps, layout):
+def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets):
   model = _bind(cfg, params)
   b = state.tokens.shape[0]
+  sizes = compact.widths(b // layout.data_shards, buckets)
   out_tokens = jnp.full((b, steps), -1, jnp.int32)
   out_logprobs = jnp.zeros((b, steps), jnp.float32)
 
@@ -218,12 +226,19 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout):
     i, _, st, _, _ = carry
     return (i < steps) & jnp.any(st.active)
 
-  def body(carry):
-    i, pool, st, out_tokens, out_logprobs = carry
+  def one_step(pool, st):  # -> (pool, (tokens, logprobs)) for the rows of st
     logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
                                        st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
-    tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p)
+    return pool, sample(logits, keys, st.temperature, st.top_k, st.top_p)
+
+  def body(carry):
+    i, pool, st, out_tokens, out_logprobs = carry
+    if shared is None and len(sizes) > 1:
+      pool, (tok, lp) = compact.live_rows_step(one_step, pool, st, st.active,
+                                               layout.data_shards, sizes)
+    else:  # Cascade blocks keep their slots: a block shares its prompt's pages.
+      pool, (tok, lp) = one_step(pool, st)
     on = st.active
     out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
     out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
@@ -744,7 +759,7 @@ class Engine:
       shared, width = None, self._table_width(max(int(needed.max()), 1))
     self.pool, self._device_slots, tokens, logprobs, active = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
-        steps=steps, layout=self.layout, width=width)
+        steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets)
     for x in (tokens, logprobs, active):
       x.copy_to_host_async()  # Fetched while later calls run.
     self._pending.append(_Launched(tokens, logprobs, active, self._occupant.copy(),

@@ -77,6 +77,46 @@ def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V]
   return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
+def first_argmax(x):  # [B, V] -> [B] int32
+  """The first index of each row's maximum, as jnp.argmax, in two vectorised reductions
+  (a max, then a min over matching indices): XLA's CPU argmax is several times slower."""
+  best = jnp.max(x, axis=-1, keepdims=True)
+  index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(x == best, index, x.shape[-1] - 1), axis=-1)
+
+
+_BLOCK = 128  # Vocabulary block of the two-level inverse CDF.
+
+
+def _last_positive(x):  # [..., N] >= 0 -> [...] index of the last entry > 0 (0 if none)
+  index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x > 0, index, 0), axis=-1)
+
+
+def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded) -> [B]
+  """One categorical draw per row from softmax(scaled) with a single uniform per row.
+
+  The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
+  CPU. Here the uniform's share of the row's mass is located first among blocks of
+  _BLOCK tokens (cumulative block masses), then inside the chosen block. Tokens of zero
+  probability are never chosen: counting "cumulative <= target" steps over them, and the
+  indices are clipped to the last block / token with mass.
+  """
+  b, v = scaled.shape
+  p = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+  p = jnp.pad(p, ((0, 0), (0, -v % _BLOCK))).reshape(b, -1, _BLOCK)  # [B, nb, blk]
+  block_mass = jnp.sum(p, axis=-1)  # [B, nb]
+  block_cum = jnp.cumsum(block_mass, axis=-1)
+  target = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * block_cum[:, -1]  # [B]
+  block = jnp.sum(block_cum <= target[:, None], axis=-1, dtype=jnp.int32)
+  block = jnp.minimum(block, _last_positive(block_mass))
+  take = lambda a: jnp.take_along_axis(a, block[:, None], axis=1)[:, 0]
+  inner = jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0]  # [B, blk]
+  within = jnp.maximum(target - (take(block_cum) - take(block_mass)), 0.0)
+  i = jnp.sum(jnp.cumsum(inner, axis=-1) <= within[:, None], axis=-1, dtype=jnp.int32)
+  return block * _BLOCK + jnp.minimum(i, _last_positive(inner))
+
+
 def sample(logits, keys, temperature, top_k, top_p):
   """Draws one token per row.
 
@@ -90,17 +130,29 @@ def sample(logits, keys, temperature, top_k, top_p):
   Returns:
     (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
   """
+  # A batch of greedy rows only (evaluation, greedy generation) skips the scaling,
+  # truncation and draw passes over [B, V], a large part of a decode step on a CPU.
+  return jax.lax.cond(jnp.all(temperature <= 0.0), _greedy, _mixed, logits, keys,
+                      temperature, top_k, top_p)
+
+
+def _logprob(scaled, tokens):  # [B, V], [B] -> [B] log softmax(scaled) at tokens
+  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+  return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def _greedy(logits, keys, temperature, top_k, top_p):
+  del keys, temperature, top_k, top_p
+  tokens = first_argmax(logits)
+  return tokens, _logprob(logits, tokens)
+
+
+def _mixed(logits, keys, temperature, top_k, top_p):
   greedy = temperature <= 0.0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
   # The sort behind truncation costs more than the rest: skip it when no row asks for it.
   needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
   cut = jax.lax.cond(needs_cut, truncate, lambda s, k, p: s, scaled, top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
-  best = jnp.argmax(logits, axis=-1)
-  # A draw makes [B, V] random bits, a large part of a greedy decode step on a CPU: skip
-  # it when every row is greedy (evaluation, greedy generation).
-  drawn = jax.lax.cond(jnp.all(greedy), lambda k, s: best,
-                       lambda k, s: jax.vmap(jax.random.categorical)(k, s), keys, scaled)
-  tokens = jnp.where(greedy, best, drawn).astype(jnp.int32)
-  logp = jax.nn.log_softmax(scaled, axis=-1)
-  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  tokens = jnp.where(greedy, first_argmax(logits), inverse_cdf_draw(keys, scaled))
+  return tokens, _logprob(scaled, tokens)

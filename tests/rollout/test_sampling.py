@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.rollout.sampling import sample, token_keys
+from jaxrl_post.rollout.sampling import first_argmax, inverse_cdf_draw, sample, token_keys
 from tests.rollout import helpers as H
 
 V = 50
@@ -94,3 +94,26 @@ def test_an_all_greedy_batch_gives_the_argmax_and_its_model_logprob():
   want = np.stack([H.log_softmax(r.astype(np.float64)) for r in logits])
   np.testing.assert_allclose(np.asarray(lp), want[np.arange(4), np.argmax(logits, axis=1)],
                              atol=1e-5)
+
+
+def test_inverse_cdf_draw_crosses_blocks_and_never_takes_excluded_tokens():
+  # 300 tokens: two whole 128-token blocks and a partial one; the kept tokens sit at both
+  # ends of the vocabulary and across the first block boundary, with whole blocks of
+  # excluded (-inf) tokens between them.
+  v, kept = 300, np.array([0, 5, 127, 128, 290, 299])
+  logits = np.full((v,), -np.inf, np.float32)
+  logits[kept] = np.log(np.array([0.05, 0.25, 0.1, 0.2, 0.3, 0.1], np.float32))
+  n = 4000
+  keys = token_keys(jnp.full((n,), 11, jnp.uint32), jnp.zeros((n,), jnp.int32),
+                    jnp.arange(n, dtype=jnp.int32))
+  tok = np.asarray(jax.jit(inverse_cdf_draw)(keys, jnp.asarray(np.tile(logits, (n, 1)))))
+  counts = np.bincount(tok, minlength=v)
+  assert counts.sum() == counts[kept].sum()
+  want = np.exp(logits[kept])
+  bound = 5 * np.sqrt(want * (1 - want) / n)
+  assert np.all(np.abs(counts[kept] / n - want) <= bound)
+
+
+def test_first_argmax_takes_the_first_of_tied_maxima():
+  x = jnp.asarray([[1.0, 3.0, 3.0, 2.0], [-jnp.inf, -1.0, -1.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+  np.testing.assert_array_equal(np.asarray(first_argmax(x)), [1, 1, 0])
