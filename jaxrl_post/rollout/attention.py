@@ -20,6 +20,7 @@ path does the same split with the kernels' own query grouping and merge.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -97,12 +98,39 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     if sliding_window is not None:
       raise ValueError("the paged attention kernel has no sliding window")
     return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
-  k = gather_pages(k_pool, layer, page_table).astype(q.dtype)  # [B, S, Hkv, D]
-  v = gather_pages(v_pool, layer, page_table).astype(q.dtype)
-  k_pos = jnp.arange(k.shape[1])[None, :]  # [1, S]
-  mask = k_pos < lengths[:, None]  # [B, S]
-  mask = _window(mask[:, None, :], (lengths - 1)[:, None], k_pos, sliding_window)
-  return L.attention(q[:, None], k, v, mask)[:, 0]
+  return _pool_layout_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window)
+
+
+def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
+  """Each row's pages of `layer` in token order, kept head-major as the pool stores them:
+  one gather from the pool seen as [Hkv, L * P, ps, D] (a free reshape), no transpose."""
+  hkv, n_layers, n_pages, ps, d = pool.shape
+  flat = pool.reshape(hkv, n_layers * n_pages, ps, d)
+  pages = jnp.take(flat, page_table + layer * n_pages, axis=1)  # [Hkv, B, M, ps, D]
+  return pages.reshape(hkv, page_table.shape[0], -1, d)
+
+
+def _pool_layout_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window):
+  """The jnp decode attention in the pool's head-major layout, float32 softmax.
+
+  One query per row makes the scores and the weighted sum matrix-vector products: they
+  run as multiply-and-sum fusions that read the gathered keys and values once, instead
+  of transposing them into [B, S, H, D] for a batched matmul (most of a decode step's
+  attention time on a CPU).
+  """
+  b, hq, d = q.shape
+  hkv = k_pool.shape[0]
+  k = _head_major_pages(k_pool, layer, page_table).astype(jnp.float32)  # [Hkv, B, S, D]
+  v = _head_major_pages(v_pool, layer, page_table).astype(jnp.float32)
+  qg = q.reshape(b, hkv, hq // hkv, d).transpose(1, 0, 2, 3).astype(jnp.float32)
+  scores = jnp.sum(qg[:, :, :, None, :] * k[:, :, None], axis=-1) / math.sqrt(d)
+  k_pos = jnp.arange(k.shape[2])[None, :]  # [1, S]
+  mask = _window((k_pos < lengths[:, None])[:, None], (lengths - 1)[:, None], k_pos,
+                 sliding_window)[:, 0]  # [B, S]
+  scores = jnp.where(mask[None, :, None, :], scores, L.MASK_VALUE)  # [Hkv, B, G, S]
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.sum(probs[..., None] * v[:, :, None], axis=-2)  # [Hkv, B, G, D]
+  return out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
 
 
 def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_lengths,

@@ -50,7 +50,7 @@ from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
 from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
 from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, tree_shardings
 
-_MIN_CHUNK = 16  # Prefill chunk shapes: multiples of this up to 4x, then powers of two.
+_MIN_CHUNK = 8  # Prefill chunk shapes: see _chunk_width.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class EngineConfig:
     decode_steps: decode steps per device call; the host sees tokens once per call.
     prefill_chunk: most prompt tokens of one prompt written per prefill call.
     prefill_rows: most prompts prefilled together in one call, per data shard (each in
-      its own row, its chunk padded to a multiple of 16 tokens).
+      its own row, its chunk padded to a multiple of 8 or 16 tokens).
     max_seq_len: longest prompt + completion; None means the model's context.
     max_stop_ids: most stop ids per request.
     kv_dtype: the pool's dtype; None means the model's compute dtype.
@@ -306,10 +306,12 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _chunk_width(tokens: int) -> int:
-  """Prefill chunk shape for `tokens` tokens: short prompts (the common case in RL) pad to
-  a multiple of 16, longer chunks to a power of two, so only a few shapes compile."""
-  if tokens <= 4 * _MIN_CHUNK:
-    return cdiv(max(tokens, 1), _MIN_CHUNK) * _MIN_CHUNK
+  """Prefill chunk shape for `tokens` tokens: short prompts (the common case in RL, and
+  the suffixes left after a prefix-cache hit) pad to a multiple of 8 up to 32 tokens and
+  of 16 up to 64, longer chunks to a power of two, so only a few shapes compile."""
+  for step, limit in ((_MIN_CHUNK, 4 * _MIN_CHUNK), (2 * _MIN_CHUNK, 8 * _MIN_CHUNK)):
+    if tokens <= limit:
+      return cdiv(max(tokens, 1), step) * step
   return _pow2_at_least(tokens)
 
 

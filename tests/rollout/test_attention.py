@@ -60,3 +60,23 @@ def test_cascade_kernel_on_the_stacked_pool_equals_the_jnp_path(layer):
   np.testing.assert_allclose(plain[:3], want, atol=2e-5)
   np.testing.assert_array_equal(kernel[3:], 0.0)
   np.testing.assert_array_equal(plain[3:], 0.0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_jnp_decode_path_equals_dense_attention_over_the_rows_tokens(window):
+  from jaxrl_post.models import layers as L
+  from jaxrl_post.rollout.attention import gather_pages
+  hkv, n_layers, n_pages, ps, d, b, hq, layer = 2, 3, 12, 4, 8, 3, 6, 1
+  k_pool, v_pool = _stacked_pool(np.random.default_rng(9), hkv, n_layers, n_pages, ps, d)
+  q = jnp.asarray(np.random.default_rng(10).normal(size=(b, hq, d)), jnp.float32)
+  table = jnp.asarray([[3, 1, 7], [2, 2, 5], [11, 4, 9]], jnp.int32)
+  lengths = jnp.asarray([1, 6, 12], jnp.int32)
+  got = paged_decode_attention(q, k_pool, v_pool, layer, table, lengths, window,
+                               use_kernel=False)
+  k, v = gather_pages(k_pool, layer, table), gather_pages(v_pool, layer, table)
+  pos = jnp.arange(k.shape[1])[None, :]
+  mask = (pos < lengths[:, None])
+  if window is not None:
+    mask &= (lengths - 1)[:, None] - pos < window
+  want = L.attention(q[:, None], k, v, mask[:, None, :])[:, 0]
+  np.testing.assert_allclose(got, want, atol=1e-6)
