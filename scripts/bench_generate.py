@@ -3,8 +3,8 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 4] [--no_overlap]
-      [--no_prefix_cache]
+      [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 4]
+      [--overlap auto|on|off] [--no_prefix_cache]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -16,10 +16,12 @@ new tokens, stopping at EOS. Both sides get the same prompt token ids.
   scheduler happens to batch, so a smaller warm-up job misses some);
   compiles_in_timed_run says none was left for the timed passes. Prefill and decode time
   are the engine's prefill and decode calls, each waited on; the rest of the wall time
-  (other_s) is the scheduler on the host. With overlapped decode (the default) the
-  scheduler launches the next decode call before it waits for the last, and decode time
-  is the host's time launching and waiting for calls: the host work done meanwhile is
-  hidden behind the devices and counts in neither. --no_overlap waits for every call.
+  (other_s) is the scheduler on the host. With overlapped decode (the scheduler's default
+  on accelerators; --overlap on) the scheduler launches the next decode call before it
+  waits for the last, and decode time is the host's time launching and waiting for calls:
+  the host work done meanwhile is hidden behind the devices and counts in neither, and a
+  prefill call waits for the decode calls queued before it. On a CPU the default waits
+  for every call.
   The engine's prefix cache is on (the chat template's system turn is prefilled once per
   page-aligned run of shared tokens); every timed pass starts with an empty cache, and
   prefill_tokens_cached says how many prompt tokens came from it. --no_prefix_cache
@@ -101,8 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="widths a decode step may run its live slots at (1: every slot)")
   p.add_argument("--no_prefix_cache", action="store_true",
                  help="prefill every prompt whole (no reuse of shared leading tokens)")
-  p.add_argument("--no_overlap", action="store_true",
-                 help="wait for each decode call before the host goes on")
+  p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                 help="queue the next decode call before reading the last (auto: on for "
+                      "accelerators, off on a CPU)")
   p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
   args = p.parse_args(argv)
   for name in ("prompts", "new_tokens", "peer_batch", "repeats", "num_slots", "decode_steps",
@@ -179,14 +182,13 @@ class PhaseClock:
     self.calls = {"prefill": 0, "decode": 0}
     self._wrap(engine, "prefill_batch", "prefill",
                lambda: jax.block_until_ready(getattr(engine, "pool", None)))
-    # Decode calls: `generate` waits for its call; with overlapped decode the scheduler
-    # launches calls and later collects them, and only the host's time in those methods
-    # (launching, and blocked until a call is done) counts as decode.
-    for method in ("generate", "launch", "collect"):
-      if hasattr(engine, method):
-        self._wrap(engine, method, "decode", lambda: None)
+    # Decode calls: `generate` is `launch` then `collect`; with overlapped decode the
+    # scheduler launches calls and later collects them. Only the host's time in those two
+    # (launching, and blocked until a call is done) counts as decode, each call once.
+    self._wrap(engine, "launch", "decode", lambda: None)
+    self._wrap(engine, "collect", "decode", lambda: None, count=False)
 
-  def _wrap(self, engine, method: str, phase: str, wait) -> None:
+  def _wrap(self, engine, method: str, phase: str, wait, count: bool = True) -> None:
     inner = getattr(engine, method)
 
     def timed(*args, **kwargs):
@@ -194,7 +196,7 @@ class PhaseClock:
       out = inner(*args, **kwargs)
       wait()
       self.seconds[phase] += time.perf_counter() - start
-      self.calls[phase] += 1
+      self.calls[phase] += count
       return out
 
     setattr(engine, method, timed)
@@ -245,17 +247,16 @@ def engine_config(args, prompt_lens: list[int]):
 def ours_runner(model, prompts: list[list[int]], stop_ids, args):
   """Builds the engine and runs the job once untimed (compiling every shape); returns a
   function that times one more pass and gives (figures, completions)."""
-  from jaxrl_post.rollout import Engine, SamplingParams, SchedulerConfig, generate
+  from jaxrl_post.rollout import Engine, SamplingParams, Scheduler, SchedulerConfig, generate
 
   config = engine_config(args, [len(p) for p in prompts])
   engine = Engine.from_model(model, config)
   clock, compiles = PhaseClock(engine), CompileCounter()
   sampling = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
                             stop_ids=tuple(stop_ids))
-  sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step)
-  if args.no_overlap:
-    sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step,
-                            overlap=False)
+  overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+  sched = SchedulerConfig(prefill_tokens_per_step=args.prefill_tokens_per_step,
+                          overlap=overlap)
   start = time.perf_counter()
   generate(engine, prompts, sampling=sampling, scheduler=sched)
   warmup_s = time.perf_counter() - start
@@ -283,7 +284,7 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
                             "prefill_rows", "prefix_cache", "decode_buckets")
                             if hasattr(config, k)},
                    prefill_tokens_per_step=args.prefill_tokens_per_step,
-                   overlap=not args.no_overlap)
+                   overlap=Scheduler(engine, sched).overlap)
     return figures, completions
 
   return run

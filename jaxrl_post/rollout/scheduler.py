@@ -12,12 +12,12 @@ Each `step` does, in order:
 4. decode: one engine call of `decode_steps` steps over all slots; finished slots are freed
    at once, so the next step refills them.
 
-Overlap (SchedulerConfig.overlap, on by default): step 4 launches the next decode call
-before it waits for the previous one, so the devices always have a call queued while the
-host reads tokens, frees, admits, prefills and inserts. The cost is that a slot finishing
-in one call idles through the next (already launched) before it is refilled. Samples are
-the same either way: a token's random draw depends on its request, sample and position,
-never on its slot or call.
+Overlap (SchedulerConfig.overlap, on by default on accelerators): step 4 launches the
+next decode call before it waits for the previous one, so the devices always have a call
+queued while the host reads tokens, frees, admits, prefills and inserts. The cost is that a
+slot finishing in one call idles through the next (already launched) before it is refilled.
+Samples are the same either way: a token's random draw depends on its request, sample and
+position, never on its slot or call.
 
 A request whose pages the pool cannot promise yet waits at the head of the queue (first come,
 first served); it never fails for want of memory and never takes a live sequence's pages.
@@ -52,6 +52,7 @@ import collections
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from jaxrl_post.errors import UserError
@@ -64,10 +65,13 @@ class SchedulerConfig:
     prefill_tokens_per_step: prompt tokens prefilled between two decode calls while some
       slot is decoding (at least one chunk is always done).
     overlap: keep a decode call queued on the devices while the host works (see above).
+      None (the default) turns it on for accelerators and off on a CPU backend, whose
+      devices are the host's own cores: there a queued call hides no host work, and a
+      slot finishing in one call would still idle through the next.
   """
 
   prefill_tokens_per_step: int = 512
-  overlap: bool = True
+  overlap: bool | None = None
 
   def __post_init__(self):
     if self.prefill_tokens_per_step < 1:
@@ -144,6 +148,9 @@ class Scheduler:
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
     self._next_id = 0
+    self.overlap = config.overlap
+    if self.overlap is None:
+      self.overlap = jax.default_backend() != "cpu"
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, n: int = 1,
              seed: int = 0) -> int:
@@ -331,7 +338,7 @@ class Scheduler:
       self.slots[slot] = self._first_only(g, prefix, first + k)
 
   def _decode(self) -> list[tuple[int, int, Completion]]:
-    if not self.config.overlap:
+    if not self.overlap:
       out = self.engine.generate()
     else:  # Queue the next call (two at the start) before waiting for the oldest.
       for _ in range((2 - self.engine.in_flight) if self._busy() else 0):
