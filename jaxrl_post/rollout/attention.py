@@ -28,8 +28,7 @@ import jax.numpy as jnp
 
 from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import _group_queries, _ungroup
-from jaxrl_post.kernels.paged_attention import (masked_decode_attention_reference,
-                                                merge_attention_parts)
+from jaxrl_post.kernels.paged_attention import merge_attention_parts
 from jaxrl_post.models import layers as L
 
 
@@ -98,7 +97,11 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     if sliding_window is not None:
       raise ValueError("the paged attention kernel has no sliding window")
     return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
-  return _pool_layout_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window)
+  k_pos = jnp.arange(page_table.shape[1] * k_pool.shape[3])[None, :]  # [1, S]
+  valid = _window((k_pos < lengths[:, None])[:, None], (lengths - 1)[:, None], k_pos,
+                  sliding_window)[:, 0]  # [B, S]
+  out, _ = _head_major_attention(q, k_pool, v_pool, layer, page_table, valid)
+  return out.astype(q.dtype)
 
 
 def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
@@ -110,27 +113,30 @@ def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
   return pages.reshape(hkv, page_table.shape[0], -1, d)
 
 
-def _pool_layout_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window):
-  """The jnp decode attention in the pool's head-major layout, float32 softmax.
+def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid):
+  """q [N, H, D] against each row's pages of `layer`, float32, with the log-sum-exp.
 
-  One query per row makes the scores and the weighted sum matrix-vector products: they
-  run as multiply-and-sum fusions that read the gathered keys and values once, instead
-  of transposing them into [B, S, H, D] for a batched matmul (most of a decode step's
-  attention time on a CPU).
+  valid: [N, S] the keys each row may attend to (S = the table's pages x page size).
+  Few queries per KV head (a decode step's) make the scores and the weighted sum
+  matrix-vector products: they run as multiply-and-sum fusions over the gathered
+  head-major keys and values, read once, instead of transposing them into [N, S, H, D]
+  for a batched matmul (most of a decode step's attention time on a CPU).
+
+  Returns ([N, H, D] float32, [N, H] float32); a row with no valid key gives (0, -inf).
   """
-  b, hq, d = q.shape
+  n, h, d = q.shape
   hkv = k_pool.shape[0]
-  k = _head_major_pages(k_pool, layer, page_table).astype(jnp.float32)  # [Hkv, B, S, D]
+  k = _head_major_pages(k_pool, layer, page_table).astype(jnp.float32)  # [Hkv, N, S, D]
   v = _head_major_pages(v_pool, layer, page_table).astype(jnp.float32)
-  qg = q.reshape(b, hkv, hq // hkv, d).transpose(1, 0, 2, 3).astype(jnp.float32)
+  qg = q.reshape(n, hkv, h // hkv, d).transpose(1, 0, 2, 3).astype(jnp.float32)
   scores = jnp.sum(qg[:, :, :, None, :] * k[:, :, None], axis=-1) / math.sqrt(d)
-  k_pos = jnp.arange(k.shape[2])[None, :]  # [1, S]
-  mask = _window((k_pos < lengths[:, None])[:, None], (lengths - 1)[:, None], k_pos,
-                 sliding_window)[:, 0]  # [B, S]
-  scores = jnp.where(mask[None, :, None, :], scores, L.MASK_VALUE)  # [Hkv, B, G, S]
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.sum(probs[..., None] * v[:, :, None], axis=-2)  # [Hkv, B, G, D]
-  return out.transpose(1, 0, 2, 3).reshape(b, hq, d).astype(q.dtype)
+  valid = valid[None, :, None, :]  # [1, N, 1, S]
+  scores = jnp.where(valid, scores, -jnp.inf)  # [Hkv, N, G, S]
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.where(valid, jnp.exp(scores - lse[..., None]), 0.0)
+  out = jnp.sum(probs[..., None] * v[:, :, None], axis=-2)  # [Hkv, N, G, D]
+  ungroup = lambda x: jnp.moveaxis(x, 0, 1).reshape(n, h, *x.shape[3:])
+  return ungroup(out), ungroup(lse)
 
 
 def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_lengths,
@@ -158,17 +164,10 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_
 
 
 def _masked_part(q, k_pool, v_pool, layer, page_table, lengths):
-  """Attention of q [N, H, D] over each row's first `lengths` tokens of its pages.
-
-  The kernels' float32 masked softmax, because the merge needs each part's log-sum-exp,
-  which models.layers.attention does not return.
-
-  Returns ([N, H, D] float32, [N, H] float32 log-sum-exp); an empty row gives (0, -inf).
-  """
-  k = gather_pages(k_pool, layer, page_table)  # [N, S, Hkv, D]
-  v = gather_pages(v_pool, layer, page_table)
-  valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [N, S]
-  return masked_decode_attention_reference(q, k, v, valid)
+  """Attention of q [N, H, D] over each row's first `lengths` tokens of its pages, with
+  its log-sum-exp for the merge; an empty row gives (0, -inf)."""
+  valid = jnp.arange(page_table.shape[1] * k_pool.shape[3])[None, :] < lengths[:, None]
+  return _head_major_attention(q, k_pool, v_pool, layer, page_table, valid)
 
 
 def _jnp_cascade(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths):
