@@ -163,7 +163,8 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
   for the call, so it stays out of the loop carry. The loop sees `width` columns (None:
   all) of each slot's page table, from its first page (plain) or from the first page after
-  its block's shared prefix (cascade).
+  its block's shared prefix (cascade). With `buckets` > 1 a plain step computes only the
+  live slots of each data shard, at the narrowest of `buckets` widths (rollout.compact).
 
   Returns:
     (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
