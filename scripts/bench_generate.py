@@ -247,7 +247,7 @@ def engine_config(args, prompt_lens: list[int]):
 def ours_runner(model, prompts: list[list[int]], stop_ids, args):
   """Builds the engine and runs the job once untimed (compiling every shape); returns a
   function that times one more pass and gives (figures, completions)."""
-  from jaxrl_post.rollout import Engine, SamplingParams, Scheduler, SchedulerConfig, generate
+  from jaxrl_post.rollout import Engine, SamplingParams, SchedulerConfig, generate
 
   config = engine_config(args, [len(p) for p in prompts])
   engine = Engine.from_model(model, config)
@@ -284,7 +284,7 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
                             "prefill_rows", "prefix_cache", "decode_buckets")
                             if hasattr(config, k)},
                    prefill_tokens_per_step=args.prefill_tokens_per_step,
-                   overlap=Scheduler(engine, sched).overlap)
+                   overlap=sched.overlaps)
     return figures, completions
 
   return run

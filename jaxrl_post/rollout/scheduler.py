@@ -73,6 +73,11 @@ class SchedulerConfig:
   prefill_tokens_per_step: int = 512
   overlap: bool | None = None
 
+  @property
+  def overlaps(self) -> bool:
+    """`overlap`, with None resolved for the default backend."""
+    return jax.default_backend() != "cpu" if self.overlap is None else self.overlap
+
   def __post_init__(self):
     if self.prefill_tokens_per_step < 1:
       raise UserError(f"scheduler config: prefill_tokens_per_step must be >= 1, "
@@ -148,9 +153,6 @@ class Scheduler:
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
     self._next_id = 0
-    self.overlap = config.overlap
-    if self.overlap is None:
-      self.overlap = jax.default_backend() != "cpu"
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, n: int = 1,
              seed: int = 0) -> int:
@@ -338,7 +340,7 @@ class Scheduler:
       self.slots[slot] = self._first_only(g, prefix, first + k)
 
   def _decode(self) -> list[tuple[int, int, Completion]]:
-    if not self.overlap:
+    if not self.config.overlaps:
       out = self.engine.generate()
     else:  # Queue the next call (two at the start) before waiting for the oldest.
       for _ in range((2 - self.engine.in_flight) if self._busy() else 0):

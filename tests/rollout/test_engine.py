@@ -153,7 +153,6 @@ def test_requests_the_engine_cannot_serve_are_user_errors():
 
 
 def test_overlap_is_on_for_accelerators_and_off_on_a_cpu_by_default():
-  eng = H.engine()
-  assert Scheduler(eng).overlap is (jax.default_backend() != "cpu")
-  assert Scheduler(eng, SchedulerConfig(overlap=True)).overlap is True
-  assert Scheduler(eng, SchedulerConfig(overlap=False)).overlap is False
+  assert SchedulerConfig().overlaps is (jax.default_backend() != "cpu")
+  assert SchedulerConfig(overlap=True).overlaps is True
+  assert SchedulerConfig(overlap=False).overlaps is False
