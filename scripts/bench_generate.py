@@ -22,8 +22,9 @@ new tokens, stopping at EOS. Both sides get the same prompt token ids.
   the host work done meanwhile is hidden behind the devices and counts in neither, and a
   prefill call waits for the decode calls queued before it. On a CPU the default waits
   for every call.
-  The engine's prefix cache is on (the chat template's system turn is prefilled once per
-  page-aligned run of shared tokens); every timed pass starts with an empty cache, and
+  The engine's prefix cache is on (a prompt's leading tokens that an earlier prompt of
+  the pass shares, the chat template's system turn and beyond, are not prefilled again);
+  every timed pass starts with an empty cache, and
   prefill_tokens_cached says how many prompt tokens came from it. --no_prefix_cache
   prefills every prompt whole.
 * transformers (the peer): `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in
@@ -98,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prefill_tokens_per_step", type=int, default=2048,
                  help="prompt tokens prefilled between two decode calls")
   p.add_argument("--page_size", type=int, default=16,
-                 help="KV page size: the prefix cache shares whole pages only")
+                 help="KV page size")
   p.add_argument("--decode_buckets", type=int, default=4,
                  help="widths a decode step may run its live slots at (1: every slot)")
   p.add_argument("--no_prefix_cache", action="store_true",

@@ -82,7 +82,8 @@ class EngineConfig:
       always runs every slot.
     prefix_cache: keep prefilled prompts' whole pages, so later prompts that start with
       the same tokens (a chat template, a system prompt, a few-shot preamble) reuse their
-      K/V instead of prefilling it (see rollout.prefix_cache). The cache holds its pages
+      K/V instead of prefilling it, to the token (a page that matches in part is copied;
+      see rollout.prefix_cache). The cache holds its pages
       until the pool runs short, the weights change, or `drop_prefix_cache`.
   """
 
@@ -556,9 +557,12 @@ class Engine:
     completes draw their first tokens together, in one more call, fetched once.
     Returns, per prefix, whether it is done."""
     if self.prefix_caches:
+      copies = [[] for _ in range(self.shards)]
       for prefix in prefixes:
         if prefix.prefilled == 0:
-          self._reuse_cached_pages(prefix)
+          copies[prefix.shard] += self._reuse_cached_pages(prefix)
+      if any(copies):
+        self._copy(copies)
     per_shard = [[p for p in prefixes if p.shard == s] for s in range(self.shards)]
     rows = _pow2_at_least(max(len(group) for group in per_shard))
     assert rows <= _pow2_at_least(self.prefill_rows), (rows, self.prefill_rows)
@@ -589,12 +593,16 @@ class Engine:
       self._draw_first_tokens(finished, [row_of[id(p)] for p in finished], logits)
     return [p.done for p in prefixes]
 
-  def _reuse_cached_pages(self, prefix: Prefix) -> None:
+  def _reuse_cached_pages(self, prefix: Prefix) -> list[tuple[int, int]]:
     """A prompt about to be prefilled takes the cached pages of its leading tokens in
-    place of its own (freed), and starts its prefill after them."""
-    pages = self.prefix_caches[prefix.shard].match(prefix.prompt)
-    prefix.seq.share_leading(pages)
-    prefix.prefilled = len(pages) * self.page_size
+    place of its own (freed), and starts its prefill after them. Returns the page copy
+    that brings a partly matching cached page into its own next page, if any."""
+    found = self.prefix_caches[prefix.shard].match(prefix.prompt)
+    prefix.seq.share_leading(found.pages)
+    prefix.prefilled = found.tokens(self.page_size)
+    if found.partial is None:
+      return []
+    return [(found.partial, prefix.seq.pages[len(found.pages)])]
 
   @property
   def cached_prompt_tokens(self) -> int:
@@ -658,13 +666,16 @@ class Engine:
       self._fill_slot(slot, prefix, i, seq)
       self._join_block(slot, self._shared_pages(prefix), seq)
     if copies:
-      self._copy(prefix.shard, copies)
+      self._copy([copies if s == prefix.shard else [] for s in range(self.shards)])
 
-  def _copy(self, shard: int, copies: list[tuple[int, int]]) -> None:
-    """Copy-on-write page copies on one data shard (the others copy sink to sink)."""
-    width = _pow2_at_least(len(copies))
+  def _copy(self, copies: list[list[tuple[int, int]]]) -> None:
+    """Copy-on-write page copies: copies[s] the (src, dst) pairs of data shard s (its
+    padding copies the sink to itself)."""
+    width = _pow2_at_least(max(len(pairs) for pairs in copies))
     src, dst = (np.zeros((self.shards, width), np.int32) for _ in range(2))  # 0 -> 0 pads.
-    src[shard, :len(copies)], dst[shard, :len(copies)] = zip(*copies)
+    for shard, pairs in enumerate(copies):
+      if pairs:
+        src[shard, :len(pairs)], dst[shard, :len(pairs)] = zip(*pairs)
     self.pool = _copy_pages(self.pool, *self.layout.put_rows((src, dst)), layout=self.layout)
 
   def skip(self, prefix: Prefix) -> None:

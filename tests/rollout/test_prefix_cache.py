@@ -13,8 +13,9 @@ PS = H.PAGE_SIZE
 
 
 def _shared_prompts(rng, n, shared_tokens):
+  """n prompts that share exactly their first shared_tokens tokens (then a distinct one)."""
   head = rng.integers(0, H.CFG.vocab_size, size=shared_tokens).tolist()
-  return [head + t for t in H.prompts(rng, rng.integers(1, 9, size=n))]
+  return [head + [i] + t for i, t in enumerate(H.prompts(rng, rng.integers(0, 8, size=n)))]
 
 
 def test_match_takes_whole_leading_pages_and_leaves_the_last_token():
@@ -25,14 +26,42 @@ def test_match_takes_whole_leading_pages_and_leaves_the_last_token():
   pages = [alloc.take_reserved() for _ in range(3)]
   cache.add(prompt, pages)
   assert len(cache) == 3 and all(alloc.refcount[p] == 2 for p in pages)
-  # The same prompt: its last page holds its last token, which must be prefilled.
-  assert cache.match(prompt) == pages[:2]
+  # The same prompt: its last page holds its last token, which must be prefilled, and
+  # the page before it matches up to that token.
+  assert cache.match(prompt) == (pages[:2], pages[2], PS - 1)
   longer = np.concatenate([prompt, [7]]).astype(np.int32)
-  assert cache.match(longer) == pages
+  assert cache.match(longer) == (pages, None, 0)
   other = prompt.copy()
-  other[PS + 1] += 1  # Differs in the second page: only the first matches.
-  assert cache.match(other) == pages[:1]
-  assert cache.hit_tokens == (2 + 3 + 1) * PS
+  other[PS + 1] += 1  # Differs in the second page: the first matches whole, one more token.
+  assert cache.match(other) == (pages[:1], pages[1], 1)
+  first_differs = prompt.copy()
+  first_differs[0] += 1
+  assert cache.match(first_differs) == ([], None, 0)
+  assert cache.hit_tokens == (3 * PS - 1) + 3 * PS + (PS + 1)
+
+
+def test_match_inside_a_page_takes_the_longest_matching_cached_page():
+  alloc = PageAllocator(16)
+  cache = PrefixCache(alloc, PS)
+  head = np.arange(100, 100 + PS, dtype=np.int32)
+  alloc.reserve(6)
+  taken = []
+  for tail in ([1, 2, 9, 9], [1, 2, 3, 9], [1, 2, 3, 4, 9]):  # PS == 4
+    prompt = np.concatenate([head, tail]).astype(np.int32)
+    taken.append([alloc.take_reserved() for _ in range(len(prompt) // PS)])
+    cache.add(prompt, taken[-1])
+  assert len(cache) == 4  # One head page, three second pages.
+  prompt = np.concatenate([head, [1, 2, 3, 5, 6]]).astype(np.int32)
+  # [1, 2, 3, 9] and [1, 2, 3, 4] both match 3 tokens: the first cached is taken.
+  assert cache.match(prompt) == ([taken[0][0]], taken[1][1], 3)
+  # A shorter prompt stops one token before its end, inside the page.
+  found = cache.match(np.concatenate([head, [1, 2, 3]]).astype(np.int32))
+  assert found.partial_tokens == 2 and found.tokens(PS) == PS + 2
+  # Evicted pages are forgotten as partial matches too.
+  for page in sum(taken, []):
+    alloc.release(page)
+  assert cache.evict(16) == 4 and len(cache) == 0
+  assert cache.match(prompt) == ([], None, 0)
 
 
 def test_evict_frees_only_pages_nobody_else_holds_oldest_first():
@@ -59,8 +88,9 @@ def test_cached_prompts_decode_as_prefilling_them_whole():
   out = generate(eng, prompts, sampling=greedy)
   ref = generate_dense(H.model(), prompts, max_new_tokens=6)
   assert [list(o[0].tokens) for o in out] == ref.tokens
-  # Prefill calls after the first reuse the shared three pages of every later prompt.
-  assert eng.cached_prompt_tokens == (len(prompts) - 2) * 3 * PS
+  # Prefill calls after the first reuse the shared three pages and two tokens of every
+  # later prompt (copying the page that holds the two).
+  assert eng.cached_prompt_tokens == (len(prompts) - 2) * (3 * PS + 2)
   plain = generate(H.engine(num_slots=4, prefill_rows=2), prompts, sampling=greedy)
   for a, b in zip(out, plain):
     np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=H.LOGPROB_TOL)
