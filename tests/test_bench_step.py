@@ -20,7 +20,7 @@ def _bench_step():
 
 def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert _bench_step().main(["--quick", "--steps", "1", "--warmup", "1", "--devices", "1",
-                             "--json"]) == 0
+                             "--remat", "dots_no_batch", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["step_s"] > 0 and set(out["phase_s"]) == PHASES
   assert out["phase_s"]["rollout"] > 0 and out["phase_s"]["train"] > 0
@@ -38,3 +38,4 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert out["program_executions_per_step"] == sum(p["calls"] for p in out["programs"])
   assert out["host_round_trips_per_step"] >= 1 and out["compilations_in_timed_steps"] == 0
   assert out["devices"] == 1 and out["workload"]["rollouts"] == 4
+  assert out["workload"]["remat"] == "dots_no_batch"
