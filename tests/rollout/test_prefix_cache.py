@@ -1,12 +1,17 @@
 """The prefix cache: prompts that share leading whole pages reuse their K/V, and the
 result is what prefilling every prompt whole gives."""
 
+import dataclasses
+
+import jax
 import numpy as np
+import pytest
 
 from jaxrl_post.models.decode import generate_dense
-from jaxrl_post.rollout import SamplingParams, generate
+from jaxrl_post.rollout import Engine, SamplingParams, generate
 from jaxrl_post.rollout.pages import PageAllocator
 from jaxrl_post.rollout.prefix_cache import PrefixCache
+from jaxrl_post.sharding import MeshConfig, make_mesh
 from tests.rollout import helpers as H
 
 PS = H.PAGE_SIZE
@@ -114,3 +119,23 @@ def test_new_weights_clear_the_cache_and_a_short_pool_evicts_it():
   ref = generate_dense(H.model(), prompts, max_new_tokens=4)
   assert [list(o[0].tokens) for o in out] == ref.tokens
   assert eng.pages_in_use == len(eng.prefix_caches[0]) <= eng.alloc.usable
+
+
+@pytest.mark.parametrize("group_slots", [0, 2])
+def test_matches_inside_a_page_on_every_data_shard(group_slots):
+  """Two data shards, each with its own cache: a page copy lands on the shard whose prompt
+  needs it, cascade blocks share the copied page, and greedy tokens are the dense ones."""
+  rng = np.random.default_rng(2)
+  prompts = _shared_prompts(rng, 10, 2 * PS + 3)
+  greedy = SamplingParams(temperature=0.0, max_tokens=5)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=1), jax.devices()[:2])
+  cfg = dataclasses.replace(H.ENGINE, prefix_cache=True, num_slots=4, prefill_rows=1,
+                            group_slots=group_slots)
+  eng = Engine.from_model(H.model(), cfg, mesh=mesh)
+  out = generate(eng, prompts, n=2, sampling=greedy)
+  ref = generate_dense(H.model(), prompts, max_new_tokens=5)
+  assert [[list(s.tokens) for s in o] for o in out] == [[t, t] for t in ref.tokens]
+  # Every prompt after the first on each shard reuses the head, 3 tokens inside a page.
+  assert eng.cached_prompt_tokens == (len(prompts) - 2) * (2 * PS + 3)
+  eng.drop_prefix_cache()
+  assert eng.pages_in_use == 0
