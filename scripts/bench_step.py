@@ -8,6 +8,7 @@ weight sync), built from an Experiment like `python -m jaxrl_post.train` builds 
 the prompts are synthetic: `--batch PxK` draws P prompts of exactly --prompt-tokens random
 ids per step (K samples each), and generation ignores stop ids, so every completion has
 exactly --new-tokens tokens. The reward is the arithmetic task's verifier (cheap). The
+loss has a small KL term (kl_coef 0.001), so the step runs the reference forward. The
 trainer takes one optimizer step on all rollouts, its packed rows holding
 --sequences-per-row whole sequences (1 by default: the sequences all have one length, so
 rows are full and attention spends nothing across sequences).
@@ -80,6 +81,7 @@ from jaxrl_post.pipeline.config import (EvalSpec, Experiment, LogSpec, ModelSpec
                                         validate)
 from jaxrl_post.pipeline.loop import RLRun
 from jaxrl_post.rewards import ArithmeticTask
+from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.optim import OptimizerConfig
 from jaxrl_post.rl.sft import SftConfig
 from jaxrl_post.rl.trainer import TrainerConfig
@@ -152,7 +154,9 @@ def experiment(w: Workload) -> Experiment:
       prompts=PromptConfig(max_prompt_tokens=w.prompt_tokens),
       rollout=RolloutSpec(prompts_per_step=w.prompts, group_size=w.samples,
                           max_new_tokens=w.new_tokens, temperature=1.0, engine=engine),
+      # A KL term, so the step has its reference forward (at kl_coef 0 there is none).
       trainer=TrainerConfig(row_tokens=w.sequences_per_row * w.sequence_tokens,
+                            loss=LossConfig(kl_coef=0.001),
                             optimizer=OptimizerConfig(learning_rate=1e-5)),
       sft=SftConfig(steps=0), eval=EvalSpec(every_n_steps=0, num_problems=1),
       placement=PlacementConfig(num_devices=w.devices),

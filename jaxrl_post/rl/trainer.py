@@ -5,7 +5,8 @@ over `micro_batches` packed micro-batches (lax.scan), with the loss normalised b
 step's token or sequence count so micro-batching changes nothing.
 
 Each optimizer step is one compiled program, fed the packed minibatch: it runs the
-reference forward, gathers the advantages, takes the normaliser, the loss and gradients
+reference forward (only when the loss has a KL term: at kl_coef 0 it would cost a quarter
+of the step's FLOPs for a metric), gathers the advantages, takes the normaliser, the loss and gradients
 and the AdamW update, and returns the metrics as device arrays. Separate no-gradient
 programs per micro-batch and per-minibatch metric fetches each cost a dispatch and a host
 round trip, which dominate a small model's step; here the host packs each micro-batch
@@ -356,7 +357,9 @@ class Trainer:
       (new state, metrics as device scalars and histograms, the old policy of `later`).
     """
     lookahead = self._old_policies(self.full_params(state), later)
-    ref = ref_params if ref_params is not None else self.reference_params(state)
+    ref = None
+    if self.cfg.loss.kl_coef > 0:
+      ref = ref_params if ref_params is not None else self.reference_params(state)
     mask = batch.inputs.completion_mask  # [M, B, T]: the whole step's tokens
     normaliser = global_normaliser(mask.reshape(-1, mask.shape[-1]), self.cfg.loss)
     micro = _Micro(batch.inputs, batch.behaviour_logprobs, scores.advantages[batch.sequence],
@@ -365,10 +368,14 @@ class Trainer:
 
     def accumulate(carry, mb):
       grads, total = carry
-      ref_logp = jax.lax.stop_gradient(
-          completion_logprobs(self.model, ref, mb.inputs, self.cfg.temperature)[0])
+      ref_logp = None
+      if ref is not None:
+        ref_logp = jax.lax.stop_gradient(
+            completion_logprobs(self.model, ref, mb.inputs, self.cfg.temperature)[0])
       (loss, per_token), g = grad_fn(state.params, state.frozen, mb, ref_logp, normaliser)
-      return (jax.tree.map(jnp.add, grads, g), total + loss), per_token | {"ref_logp": ref_logp}
+      if ref_logp is not None:
+        per_token = per_token | {"ref_logp": ref_logp}
+      return (jax.tree.map(jnp.add, grads, g), total + loss), per_token
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     (grads, loss), per_token = jax.lax.scan(accumulate, (zeros, jnp.float32(0.0)), micro)
@@ -402,7 +409,8 @@ class Trainer:
     out.update(canaries.clip_fractions(flat(t["clip_low"]), flat(t["clip_high"]), mask))
     out["kl/behaviour"] = canaries.behaviour_kl(flat(t["logp"]), flat(batch.behaviour_logprobs),
                                                 mask)
-    out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(t["ref_logp"]), mask)
+    if "ref_logp" in t:  # Only a loss with a KL term runs the reference forward.
+      out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(t["ref_logp"]), mask)
     out["entropy"] = canaries.mean_entropy(flat(t["entropy"]), mask)
     out.update(canaries.logprob_mismatch(flat(t["logp"]), flat(batch.behaviour_logprobs), mask))
     out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
@@ -427,6 +435,7 @@ class Trainer:
       batch: the minibatch (host or placed).
       scores: the rollout batch's per-sequence advantages and rewards.
       ref_params: frozen reference parameters; None with LoRA (the base is the reference).
+        Unused when the loss has no KL term (kl_coef 0).
       old: the old policy on this minibatch; None when `state`'s parameters are it (the
         first minibatch of a rollout batch).
       later: placed inputs of the minibatches after this one (only with old=None), whose
@@ -611,6 +620,7 @@ def train_on_rollouts(trainer: Trainer, state: TrainState, trajectories: Sequenc
       value-head model, whose advantages come from GAE over `rewards` and its critic.
     rewards: [N] sequence rewards: required for GAE; otherwise only reported.
     ref_params: frozen reference parameters; None with LoRA (the base is the reference).
+      Unused when the loss has no KL term (kl_coef 0).
     group_size: K, to report the fraction of groups whose rewards do not vary.
 
   Returns:

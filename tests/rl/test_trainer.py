@@ -77,7 +77,8 @@ def test_packed_and_micro_batched_gradients_equal_the_unpacked_full_batch(aggreg
 
 
 def test_first_on_policy_step_has_ratio_one_and_no_clipping():
-  trainer = Trainer(CFG, TrainerConfig(row_tokens=32, minibatches=2, micro_batches=2))
+  trainer = Trainer(CFG, TrainerConfig(row_tokens=32, minibatches=2, micro_batches=2,
+                                       loss=LossConfig(kl_coef=0.1)))
   state = trainer.init_state(params_of(init_model(CFG, 0)))
   trajs, behaviour, rewards = rollout(trainer, state, k=4, seed=0)
   adv = rewards - rewards.mean() + np.linspace(-1, 1, len(rewards), dtype=np.float32)
@@ -110,7 +111,8 @@ def test_non_finite_update_is_skipped_and_counted():
 
 def test_lora_trains_only_the_adapters_and_its_reference_is_the_base():
   cfg = dataclasses.replace(CFG, lora=LoraConfig(rank=2, targets=("wq", "w_up")))
-  trainer = Trainer(cfg, TrainerConfig(row_tokens=32, optimizer=OptimizerConfig(1e-2)))
+  trainer = Trainer(cfg, TrainerConfig(row_tokens=32, optimizer=OptimizerConfig(1e-2),
+                                       loss=LossConfig(kl_coef=0.1)))
   state = trainer.init_state(params_of(init_model(cfg, 0)))
   frozen = jax.device_get(state.frozen)
   assert set(state.params["layers"]) == {"wq_lora_a", "wq_lora_b", "w_up_lora_a", "w_up_lora_b"}
@@ -120,6 +122,25 @@ def test_lora_trains_only_the_adapters_and_its_reference_is_the_base():
   assert history[0]["kl/reference"] == pytest.approx(0, abs=1e-6)  # B starts at zero.
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.frozen), frozen)
   assert np.abs(np.asarray(state.params["layers"]["wq_lora_b"])).max() > 0
+
+
+def test_no_kl_term_runs_no_reference_forward():
+  """At kl_coef 0 the loss needs no reference: the program computes none (no weights are
+  needed for it, no kl/reference metric) and the update is the same as with one."""
+  params = params_of(init_model(CFG, 0))
+  trainer = Trainer(CFG, TrainerConfig(row_tokens=32))
+  state = trainer.init_state(params)
+  trajs, behaviour, rewards = rollout(trainer, state, k=4, seed=0)
+  adv = np.linspace(-1, 1, len(trajs), dtype=np.float32)
+  without, history = train_on_rollouts(trainer, state, trajs, behaviour, adv)
+  assert "kl/reference" not in history[0] and "kl/behaviour" in history[0]
+  ref = params_of(init_model(CFG, 1))
+  kl = Trainer(CFG, TrainerConfig(row_tokens=32, loss=LossConfig(kl_coef=1e-30)))
+  with_ref, history = train_on_rollouts(kl, kl.init_state(params), trajs, behaviour, adv,
+                                        ref_params=kl.place(ref))
+  assert history[0]["kl/reference"] > 0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(without.params),
+               jax.device_get(with_ref.params))
 
 
 def test_grpo_solves_the_toy_task():
