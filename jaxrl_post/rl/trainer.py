@@ -6,8 +6,8 @@ step's token or sequence count so micro-batching changes nothing.
 
 Each optimizer step is one compiled program, fed the packed minibatch: it runs the
 reference forward (only when the loss has a KL term: at kl_coef 0 it would cost a quarter
-of the step's FLOPs for a metric), gathers the advantages, takes the normaliser, the loss and gradients
-and the AdamW update, and returns the metrics as device arrays. Separate no-gradient
+of the step's FLOPs for a metric), gathers the advantages, takes the normaliser, the loss
+and gradients and the AdamW update, and returns the metrics as device arrays. Separate no-gradient
 programs per micro-batch and per-minibatch metric fetches each cost a dispatch and a host
 round trip, which dominate a small model's step; here the host packs each micro-batch
 once, places the rollout batch once, and fetches the metrics once per rollout batch. The
