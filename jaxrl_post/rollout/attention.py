@@ -139,28 +139,35 @@ def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid):
   return ungroup(out), ungroup(lse)
 
 
-def paged_prefill_attention(q, k_pool, v_pool, layer, page_table, positions, kv_lengths,
-                            sliding_window=None):
-  """A chunk of prompt queries against their rows' pages (the chunk's own K/V included).
+def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, key_starts,
+                            positions, segments, sliding_window=None):
+  """Packed prompt chunks' queries against their own segments' pages (the chunk's own K/V
+  included): a query sees a key iff both belong to one segment and the key's position is
+  not after the query's (rollout.prefill_pack lays the rows out).
 
   Args:
-    q: [B, T, Hq, D] queries of the chunk's tokens.
+    q: [B, T, Hq, D] queries of the rows' tokens.
     k_pool: [Hkv, L, num_pages, page_size, D].
     v_pool: [Hkv, L, num_pages, page_size, D].
     layer: scalar int.
-    page_table: [B, M] int32, each row covering at least ``kv_lengths`` tokens.
-    positions: [B, T] int32 positions of the queries (causal: key s is seen iff s <= position).
-    kv_lengths: [B] int32 tokens written so far (the chunk's valid tokens included).
+    key_pages: [B, K] int32 each row's key pages.
+    key_segments: [B, K] int32 the segment of each key page (negative: none).
+    key_starts: [B, K] int32 position of each key page's first token.
+    positions: [B, T] int32 positions of the queries.
+    segments: [B, T] int32 segment of each query (negative: padding, sees nothing).
     sliding_window: static, as in paged_decode_attention.
 
   Returns:
     [B, T, Hq, D] in q's dtype.
   """
-  k = gather_pages(k_pool, layer, page_table).astype(q.dtype)  # [B, S, Hkv, D]
-  v = gather_pages(v_pool, layer, page_table).astype(q.dtype)
-  k_pos = jnp.arange(k.shape[1])[None, None, :]  # [1, 1, S]
-  mask = (k_pos <= positions[:, :, None]) & (k_pos < kv_lengths[:, None, None])  # [B, T, S]
-  return L.attention(q, k, v, _window(mask, positions, k_pos[0], sliding_window))
+  ps = k_pool.shape[3]
+  k = gather_pages(k_pool, layer, key_pages).astype(q.dtype)  # [B, K*ps, Hkv, D]
+  v = gather_pages(v_pool, layer, key_pages).astype(q.dtype)
+  k_pos = (key_starts[:, :, None] + jnp.arange(ps)[None, None, :]).reshape(q.shape[0], -1)
+  k_seg = jnp.repeat(key_segments, ps, axis=1)  # [B, K*ps]
+  mask = ((k_seg[:, None, :] == segments[:, :, None]) & (segments[:, :, None] >= 0) &
+          (k_pos[:, None, :] <= positions[:, :, None]))  # [B, T, K*ps]
+  return L.attention(q, k, v, _window(mask, positions, k_pos, sliding_window))
 
 
 def _masked_part(q, k_pool, v_pool, layer, page_table, lengths):

@@ -1,4 +1,4 @@
-"""The policy's forward over the paged KV pool: one prefill chunk, one decode step.
+"""The policy's forward over the paged KV pool: packed prefill chunks, one decode step.
 
 Each layer is the model's own maths -- `qkv_projection` and `post_attention` from
 jaxrl_post.models.transformer -- with the attention swapped for the paged one, so a model
@@ -18,6 +18,8 @@ rows and pages (shard-local page ids) and its KV heads.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,52 +155,58 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   return _final_logits(model, x[:, 0]), pool
 
 
-def _prefill_local(cfg, pool: KVPool, layer, q, k, v, page_table, start, num_valid):
-  """One device's prefill write + causal attention (q [B, T, Hq, D], k/v [B, T, Hkv, D])."""
-  width, ps = q.shape[1], pool.k.shape[3]
-  positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
-  valid = jnp.arange(width)[None, :] < num_valid[:, None]  # [B, T]
-  pages = _target_pages(page_table, positions // ps, valid)  # [B, T]
+class PackedRows(NamedTuple):
+  """A prefill call's rows on the devices (rollout.prefill_pack.PackedRows, less `last`)."""
+
+  tokens: jax.Array
+  positions: jax.Array
+  segments: jax.Array
+  write_pages: jax.Array
+  key_pages: jax.Array
+  key_segments: jax.Array
+  key_starts: jax.Array
+
+
+def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):
+  """One device's prefill write + attention (q [B, T, Hq, D], k/v [B, T, Hkv, D])."""
+  ps = pool.k.shape[3]
   flat = lambda a: a.reshape(-1, *a.shape[2:])
-  pool = _write_kv(pool, layer, flat(pages), flat(positions % ps), flat(k), flat(v))
-  attn = paged_prefill_attention(q, pool.k, pool.v, layer, page_table, positions,
-                                 start + num_valid, cfg.sliding_window)
+  pool = _write_kv(pool, layer, flat(rows.write_pages), flat(rows.positions % ps), flat(k),
+                   flat(v))
+  attn = paged_prefill_attention(q, pool.k, pool.v, layer, rows.key_pages, rows.key_segments,
+                                 rows.key_starts, rows.positions, rows.segments,
+                                 cfg.sliding_window)
   return attn, pool
 
 
-def _prefill_attention(layout: RolloutLayout, cfg, page_table, start, num_valid):
-  rows, heads = layout.rows_spec, layout.heads_spec(4)
+def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows):
+  row_specs = rows._replace(**{f: layout.rows_spec(2) for f in rows._fields})
+  heads = layout.heads_spec(4)
   local = layout.per_device(
-      lambda pool, layer, q, k, v, table, st, n: _prefill_local(cfg, pool, layer, q, k, v,
-                                                                table, st, n),
-      in_specs=(_pool_specs(layout), P(), heads, heads, heads, rows(2), rows(1), rows(1)),
+      lambda pool, layer, q, k, v, r: _prefill_local(cfg, pool, layer, q, k, v, r),
+      in_specs=(_pool_specs(layout), P(), heads, heads, heads, row_specs),
       out_specs=(heads, _pool_specs(layout)))
-  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, page_table, start,
-                                            num_valid)
+  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, rows)
 
 
-def prefill_chunk(model: Transformer, pool: KVPool, tokens, start, num_valid, page_table,
-                  layout: RolloutLayout | None = None):
-  """Writes a chunk of each row's prompt into its pages; logits of each row's last token.
+def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
+                   layout: RolloutLayout | None = None):
+  """Writes packed prompt chunks into their pages; logits after each chunk's last token.
 
   Args:
     model: the policy (parameters already bound).
     pool: the KV pool.
-    tokens: [B, T] int32 chunk tokens, right-padded.
-    start: [B] int32 position of each row's first chunk token (tokens before it are in pages).
-    num_valid: [B] int32 real tokens in each row's chunk (0: an idle row, whose logits
-      are garbage).
-    page_table: [B, M] int32 shard-local page ids covering positions < start + num_valid.
+    rows: [B, T] tokens with their positions, segments and write pages, and [B, K] key
+      pages per row (see rollout.prefill_pack), shard-local page ids.
+    last: [C] int32 flat index (row * T + column) of each chunk's last token.
     layout: where the rows and pages live (default: one device).
 
   Returns:
-    (logits [B, V] float32 after each row's last valid token, updated pool).
+    (logits [C, V] float32 after each chunk's last token, updated pool).
   """
   layout = layout or RolloutLayout.build(model.config)
-  x = model.embed_tokens(tokens)  # [B, T, D]
-  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  attend = _prefill_attention(layout, model.config, page_table, start, num_valid)
-  x, pool = _run_layers(model, pool, x, positions, attend)
-  last_index = jnp.maximum(num_valid - 1, 0)[:, None, None]
-  last = jnp.take_along_axis(x, last_index, axis=1)[:, 0]  # [B, D]
-  return _final_logits(model, last), pool
+  x = model.embed_tokens(rows.tokens)  # [B, T, D]
+  attend = _prefill_attention(layout, model.config, rows)
+  x, pool = _run_layers(model, pool, x, rows.positions, attend)
+  ends = jnp.take(x.reshape(-1, x.shape[-1]), last, axis=0)  # [C, D]
+  return _final_logits(model, ends), pool
