@@ -558,9 +558,9 @@ class Engine:
 
   def prefill_batch(self, prefixes: Sequence[Prefix]) -> list[bool]:
     """The next chunk of each prefix in one device call: at most `prefill_rows` prefixes
-    per data shard, packed into rows of that shard (rollout.prefill_pack). The samples of every prefix that
-    completes draw their first tokens together, in one more call, fetched once.
-    Returns, per prefix, whether it is done."""
+    per data shard, packed into rows of that shard (rollout.prefill_pack). The samples of
+    every prefix that completes draw their first tokens together, in one more call,
+    fetched once. Returns, per prefix, whether it is done."""
     if self.prefix_caches:
       copies = [[] for _ in range(self.shards)]
       for prefix in prefixes:
