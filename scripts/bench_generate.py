@@ -3,7 +3,7 @@
   python scripts/bench_generate.py [--json] [--prompts 300] [--new_tokens 24]
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
-      [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 4]
+      [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 16]
       [--overlap auto|on|off] [--no_prefix_cache]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
@@ -91,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no_peer", action="store_true", help="time our side only")
   p.add_argument("--repeats", type=int, default=2,
                  help="timed passes per side, interleaved; the fastest of each counts")
-  p.add_argument("--num_slots", type=int, default=96, help="engine decode slots")
+  p.add_argument("--num_slots", type=int, default=320,
+                 help="engine decode slots (the default decodes all 300 prompts at once)")
   p.add_argument("--decode_steps", type=int, default=8, help="decode steps per engine call")
   p.add_argument("--prefill_chunk", type=int, default=128, help="most tokens per prefill row")
   p.add_argument("--prefill_rows", type=int, default=16,
@@ -100,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="prompt tokens prefilled between two decode calls")
   p.add_argument("--page_size", type=int, default=16,
                  help="KV page size")
-  p.add_argument("--decode_buckets", type=int, default=4,
-                 help="widths a decode step may run its live slots at (1: every slot)")
+  p.add_argument("--decode_buckets", type=int, default=16,
+                 help="widths a decode step may run its live slots at (1: every slot); "
+                      "each is one more compiled decode step, in the untimed warm-up")
   p.add_argument("--no_prefix_cache", action="store_true",
                  help="prefill every prompt whole (no reuse of shared leading tokens)")
   p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
