@@ -15,6 +15,7 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -27,6 +28,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.errors import UserError
@@ -204,9 +206,24 @@ def compile_with_allocations(lowered, top: int = 0):
   directory for this one compile, so the report costs nothing when top is 0."""
   if top <= 0:
     return lowered.compile(), ()
-  with tempfile.TemporaryDirectory() as scratch:
+  with tempfile.TemporaryDirectory() as scratch, _persistent_cache_off():
     compiled = lowered.compile(compiler_options={"xla_dump_to": scratch})
     return compiled, _largest_allocations(scratch, top)
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+  """Compiles inside skip jax's persistent compilation cache (when one is configured): its
+  keys leave out the dump options, so a cached executable would come back without XLA
+  having compiled it, and so without the dump the report is read from."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # The cache decides once whether it is in use.
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 # ------------------------------------------------------------------------ train step

@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -47,6 +48,19 @@ def test_largest_allocations_name_the_buffers_behind_the_peak():
   assert len(sizes) == 4 and sizes == sorted(sizes, reverse=True) and sizes[-1] > 0
   assert sum(sizes) <= m.peak_bytes
   assert all("[" in a.values for a in m.largest)  # shapes such as f32[2,64,192]
+
+
+def test_largest_allocations_are_reported_with_a_persistent_compilation_cache(tmp_path):
+  # The cache's keys leave out the dump options: without care, the second process would get
+  # the first one's executable from the cache, compiled by no one, and no report.
+  code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_plan; "
+          "print(len(test_plan.step_memory(1, 8).largest))")
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  counts = [subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests")], env=env,
+                           capture_output=True, text=True, check=True).stdout.split()[-1]
+            for _ in range(2)]
+  assert counts == ["4", "4"]
 
 
 def test_fsdp_over_8_devices_divides_the_per_device_arguments_by_about_8():
