@@ -213,9 +213,9 @@ def compile_with_allocations(lowered, top: int = 0):
 
 @contextlib.contextmanager
 def _persistent_cache_off():
-  """Compiles inside skip jax's persistent compilation cache (when one is configured): its
-  keys leave out the dump options, so a cached executable would come back without XLA
-  having compiled it, and so without the dump the report is read from."""
+  """Compilations inside this block skip jax's persistent compilation cache (when one is
+  configured). Its keys leave out the dump options, so a cached executable would come back
+  without XLA having compiled it, and so without the dump the report is read from."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()  # The cache decides once whether it is in use.
