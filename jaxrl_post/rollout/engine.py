@@ -262,7 +262,7 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
-def _prefill(params, pool: KVPool, rows: forward.PackedRows, last, *, cfg: ModelConfig,
+def _prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: ModelConfig,
              layout: RolloutLayout):
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token)."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
@@ -571,12 +571,10 @@ class Engine:
     counts = [min(self.config.prefill_chunk, len(p.prompt) - p.prefilled) for p in prefixes]
     chunks = [prefill_pack.Chunk(p.shard, p.prompt[p.prefilled:p.prefilled + n], p.prefilled,
                                  p.seq.pages) for p, n in zip(prefixes, counts)]
-    packed = prefill_pack.pack(chunks, shards=self.shards, page_size=self.page_size,
-                               width=self._packed_width(prefixes, counts))
-    rows = forward.PackedRows(*self.layout.put_rows(
-        tuple(getattr(packed, f) for f in forward.PackedRows._fields)))
-    self.pool, logits = _prefill(self.params, self.pool, rows,
-                                 self.layout.put_replicated(packed.last),
+    rows, last = prefill_pack.pack(chunks, shards=self.shards, page_size=self.page_size,
+                                   width=self._packed_width(prefixes, counts))
+    self.pool, logits = _prefill(self.params, self.pool, self.layout.put_rows(rows),
+                                 self.layout.put_replicated(last),
                                  cfg=self.model_config, layout=self.layout)
     finished = []
     for prefix, n in zip(prefixes, counts):

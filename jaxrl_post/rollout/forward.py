@@ -19,8 +19,6 @@ rows and pages (shard-local page ids) and its KV heads.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -31,6 +29,7 @@ from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention
                                           paged_decode_attention, paged_prefill_attention)
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
+from jaxrl_post.rollout.prefill_pack import PackedRows
 from jaxrl_post.sharding import constrain
 
 
@@ -153,18 +152,6 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   attend = _decode_attention(layout, model.config, page_table, lengths, active, shared)
   x, pool = _run_layers(model, pool, x, lengths[:, None], attend)
   return _final_logits(model, x[:, 0]), pool
-
-
-class PackedRows(NamedTuple):
-  """A prefill call's rows on the devices (rollout.prefill_pack.PackedRows, less `last`)."""
-
-  tokens: jax.Array
-  positions: jax.Array
-  segments: jax.Array
-  write_pages: jax.Array
-  key_pages: jax.Array
-  key_segments: jax.Array
-  key_starts: jax.Array
 
 
 def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,9 +37,9 @@ class Chunk:
   pages: Sequence[int]
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedRows:
-  """One prefill call's operands; R rows per shard, shard s in rows [s*R, (s+1)*R).
+class PackedRows(NamedTuple):
+  """One prefill call's rows; R rows per shard, shard s in rows [s*R, (s+1)*R). Host
+  arrays from `pack`; the same fields, placed on the devices, are the prefill's operand.
 
   Attributes:
     tokens, positions: [shards*R, T] int32 (padding: token 0 at position 0).
@@ -50,8 +50,6 @@ class PackedRows:
       its pages up to its last token in the row.
     key_segments: [shards*R, K] int32 the chunk a key page belongs to, or NO_SEGMENT.
     key_starts: [shards*R, K] int32 position of the first token of each key page.
-    last: [C] int32 flat index (row * T + column) of each chunk's last token, in call order,
-      padded with 0 to a multiple of 8.
   """
 
   tokens: np.ndarray
@@ -61,7 +59,6 @@ class PackedRows:
   key_pages: np.ndarray
   key_segments: np.ndarray
   key_starts: np.ndarray
-  last: np.ndarray
 
 
 def round_up(n: int, parts: int) -> int:
@@ -77,9 +74,15 @@ def row_count(tokens: int, width: int) -> int:
   return round_up(-(-max(tokens, 1) // width), 8)
 
 
-def pack(chunks: Sequence[Chunk], *, shards: int, width: int, page_size: int) -> PackedRows:
+def pack(chunks: Sequence[Chunk], *, shards: int, width: int,
+         page_size: int) -> tuple[PackedRows, np.ndarray]:
   """Lays each shard's chunks, in call order, end to end in rows of `width` tokens; the
-  key pages per row are rounded up to a multiple of a quarter of a power of two."""
+  key pages per row are rounded up to a multiple of a quarter of a power of two.
+
+  Returns:
+    (rows, last): last is [C] int32, the flat index (row * T + column) of each chunk's
+    last token, in call order, padded with 0 to a multiple of 8.
+  """
   per_shard = [[(i, c) for i, c in enumerate(chunks) if c.shard == s] for s in range(shards)]
   r = row_count(max(sum(len(c.tokens) for _, c in mine) for mine in per_shard), width)
   pieces = [_pieces(mine, width) for mine in per_shard]  # Per shard: (row, col, i, a, b).
@@ -95,13 +98,13 @@ def pack(chunks: Sequence[Chunk], *, shards: int, width: int, page_size: int) ->
       write_pages=np.full((shards * r, width), TRASH_PAGE, np.int32),
       key_pages=np.full((shards * r, k), TRASH_PAGE, np.int32),
       key_segments=np.full((shards * r, k), NO_SEGMENT, np.int32),
-      key_starts=np.zeros((shards * r, k), np.int32),
-      last=np.zeros((cdiv(len(chunks), 8) * 8,), np.int32))
+      key_starts=np.zeros((shards * r, k), np.int32))
+  last = np.zeros((cdiv(len(chunks), 8) * 8,), np.int32)
   used = collections.Counter()  # Key columns filled, per row.
   for s, mine in enumerate(pieces):
     for row, col, i, a, b in mine:
-      _place(out, s * r + row, col, i, chunks[i], a, b, used, page_size)
-  return out
+      _place(out, last, s * r + row, col, i, chunks[i], a, b, used, page_size)
+  return out, last
 
 
 def _pieces(mine, width: int) -> list[tuple[int, int, int, int, int]]:
@@ -117,8 +120,8 @@ def _pieces(mine, width: int) -> list[tuple[int, int, int, int, int]]:
   return out
 
 
-def _place(out: PackedRows, row: int, col: int, i: int, c: Chunk, a: int, b: int,
-           used: collections.Counter, page_size: int) -> None:
+def _place(out: PackedRows, last: np.ndarray, row: int, col: int, i: int, c: Chunk, a: int,
+           b: int, used: collections.Counter, page_size: int) -> None:
   """Writes tokens [a, b) of chunk i at (row, col), and its pages up to them as keys."""
   n = b - a
   pos = c.start + np.arange(a, b, dtype=np.int32)
@@ -133,4 +136,4 @@ def _place(out: PackedRows, row: int, col: int, i: int, c: Chunk, a: int, b: int
   out.key_starts[row, key:key + m] = np.arange(m, dtype=np.int32) * page_size
   used[row] += m
   if b == len(c.tokens):
-    out.last[i] = row * out.tokens.shape[1] + col + n - 1
+    last[i] = row * out.tokens.shape[1] + col + n - 1

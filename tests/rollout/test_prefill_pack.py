@@ -14,7 +14,7 @@ def _chunk(shard, n, start, pages):
 def test_pack_lays_chunks_end_to_end_per_shard():
   chunks = [_chunk(0, 5, 0, [3, 4]), _chunk(1, 7, 0, [9, 10]), _chunk(0, 10, 6, [5, 6, 7, 8]),
             _chunk(0, 3, 0, [2])]
-  out = prefill_pack.pack(chunks, shards=2, width=8, page_size=4)
+  out, last = prefill_pack.pack(chunks, shards=2, width=8, page_size=4)
   # Shard 0 holds 18 tokens: 3 rows of 8 per shard; shard 1's 7 tokens in its first row.
   assert out.tokens.shape == (6, 8) and out.key_pages.shape == (6, 6)  # 5 key pages, rounded.
   np.testing.assert_array_equal(out.segments[:3].ravel(),
@@ -32,9 +32,9 @@ def test_pack_lays_chunks_end_to_end_per_shard():
   np.testing.assert_array_equal(out.key_pages[1, :5], [5, 6, 7, 8, 2])
   np.testing.assert_array_equal(out.key_segments[1], [2, 2, 2, 2, 3, -1])
   # Each chunk's last token, in call order, padded to 8 entries.
-  assert out.last.shape == (8,)
+  assert last.shape == (8,)
   for i, c in enumerate(chunks):
-    row, col = divmod(int(out.last[i]), 8)
+    row, col = divmod(int(last[i]), 8)
     assert out.segments[row, col] == i and out.tokens[row, col] == c.tokens[-1]
     assert out.positions[row, col] == c.start + len(c.tokens) - 1
 
@@ -55,8 +55,9 @@ def test_packed_rows_equal_the_full_forward(monkeypatch):
 
   def recording(chunks, **kw):
     out = pack(chunks, **kw)
-    rows_seen.append((len(chunks), len(np.unique(out.segments[out.segments >= 0])),
-                      int(np.sum(np.any(out.segments >= 0, axis=1)))))
+    segments = out[0].segments
+    rows_seen.append((len(chunks), len(np.unique(segments[segments >= 0])),
+                      int(np.sum(np.any(segments >= 0, axis=1)))))
     return out
 
   monkeypatch.setattr(prefill_pack, "pack", recording)
