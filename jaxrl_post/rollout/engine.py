@@ -43,7 +43,7 @@ from jaxrl_post.rollout import compact, forward, prefill_pack
 from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
-                                      PoolConfig, cdiv, copy_pool_pages,
+                                      PoolConfig, cdiv, copy_pool_pages, pow2_at_least,
                                       resolve_num_pages)
 from jaxrl_post.rollout.prefix_cache import PrefixCache
 from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
@@ -308,10 +308,6 @@ def _placed(x, sharding):
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _chunk_width(tokens: int) -> int:
   """Prefill chunk shape for `tokens` tokens: short prompts (the common case in RL, and
   the suffixes left after a prefix-cache hit) pad to a multiple of 8 up to 32 tokens and
@@ -319,7 +315,7 @@ def _chunk_width(tokens: int) -> int:
   for step, limit in ((_MIN_CHUNK, 4 * _MIN_CHUNK), (2 * _MIN_CHUNK, 8 * _MIN_CHUNK)):
     if tokens <= limit:
       return cdiv(max(tokens, 1), step) * step
-  return _pow2_at_least(tokens)
+  return pow2_at_least(tokens)
 
 
 @dataclasses.dataclass
@@ -674,7 +670,7 @@ class Engine:
   def _copy(self, copies: list[list[tuple[int, int]]]) -> None:
     """Copy-on-write page copies: copies[s] the (src, dst) pairs of data shard s (its
     padding copies the sink to itself)."""
-    width = _pow2_at_least(max(len(pairs) for pairs in copies))
+    width = pow2_at_least(max(len(pairs) for pairs in copies))
     src, dst = (np.zeros((self.shards, width), np.int32) for _ in range(2))  # 0 -> 0 pads.
     for shard, pairs in enumerate(copies):
       if pairs:
@@ -836,7 +832,7 @@ class Engine:
     """(index, rows of `tree`) on the devices for a scatter; padded to a power of two of
     rows with out-of-range indices, which the scatter drops."""
     slots = np.asarray(sorted(slots), np.int32)
-    index = np.full((_pow2_at_least(len(slots)),), self.num_slots, np.int32)
+    index = np.full((pow2_at_least(len(slots)),), self.num_slots, np.int32)
     index[:len(slots)] = slots
     rows = jax.tree.map(lambda a: a[np.minimum(index, self.num_slots - 1)], tree)
     return self.layout.put_replicated((index, rows))
@@ -875,7 +871,7 @@ class Engine:
     return cascade, paged
 
   def _table_width(self, pages: int) -> int:
-    width = max(_pow2_at_least(pages), self.config.min_table_pages)
+    width = max(pow2_at_least(pages), self.config.min_table_pages)
     return min(width, self.max_pages)
 
   def free_resource(self, slot: int) -> None:

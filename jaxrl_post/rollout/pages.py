@@ -31,6 +31,11 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def pow2_at_least(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1)."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
   """How many KV pages to allocate; the first field set wins.

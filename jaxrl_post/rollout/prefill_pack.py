@@ -22,7 +22,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxrl_post.rollout.pages import TRASH_PAGE, cdiv
+from jaxrl_post.rollout.pages import TRASH_PAGE, cdiv, pow2_at_least
 
 NO_SEGMENT = -1  # Padding tokens and unused key pages.
 
@@ -65,8 +65,8 @@ def round_up(n: int, parts: int) -> int:
   """n rounded up to a multiple of 1/parts of the next power of two (at least 1): little
   padding, and `parts` compiled shapes per doubling."""
   n = max(int(n), 1)
-  step = max(1, (1 << (n - 1).bit_length()) // parts)
-  return -(-n // step) * step
+  step = max(1, pow2_at_least(n) // parts)
+  return cdiv(n, step) * step
 
 
 def row_count(tokens: int, width: int) -> int:
