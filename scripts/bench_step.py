@@ -41,6 +41,12 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     batch) and at a large square shape; matmul_benchmark lists each shape.
   roofline_fraction, roofline_fraction_per_phase: FLOPs / seconds / (achievable FLOP/s x
     devices), for the step and each phase. Host phases (reward, pack) run no device FLOPs.
+  mlp_block_flops_per_s: the best FLOP/s of the SwiGLU MLP block's forward and backward
+    alone, at the training forward's token count (9 matmuls and the SwiGLU).
+  roofline_ceilings: roofline fractions that parts of a phase reach when run alone, bounds
+    on what the phase itself can reach on this device: rollout_decode_matmuls (one decode
+    step's matmuls, each at its own shape's measured rate, nothing else taking time) and
+    train_mlp_block (mlp_block_flops_per_s / achievable_flops_per_s).
   host_round_trips_per_step (and per phase): device-to-host fetches in one steady-state
     step, counted by telemetry.DispatchCensus: one per jax.device_get (a whole pytree) and
     one per other read of an array's value (np.asarray, float, .tolist(), ...).
@@ -303,38 +309,84 @@ def _phase(section: str) -> str:
 # ---------------------------------------------------------------------------- matmuls
 
 
+def decode_matmuls(cfg, rows: int) -> list[tuple[tuple[int, int, int], int]]:
+  """((m, k, n), matmuls of that shape) of one decode step over `rows` rows: the layers'
+  Q, K, V, O and MLP projections and the LM head."""
+  d, f, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return [((rows, d, q), layers), ((rows, d, kv), 2 * layers), ((rows, q, d), layers),
+          ((rows, d, f), 2 * layers), ((rows, f, d), layers), ((rows, d, v), 1)]
+
+
 def matmul_shapes(cfg, w: Workload, square: int) -> list[tuple[int, int, int]]:
   """(m, k, n) of the model's matmuls at the step's token counts, and one square shape."""
   d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  train, head, decode = w.rollouts * w.sequence_tokens, w.rollouts * w.new_tokens, w.rollouts
+  train, head = w.rollouts * w.sequence_tokens, w.rollouts * w.new_tokens
   shapes = [(train, d, q), (train, d, kv), (train, q, d), (train, d, f), (train, f, d),
-            (head, d, v), (head, v, d), (decode, d, q), (decode, d, f), (decode, f, d),
-            (decode, d, v), (square, square, square)]
+            (head, d, v), (head, v, d)]
+  shapes += [shape for shape, _ in decode_matmuls(cfg, w.rollouts)] + [(square,) * 3]
   return list(dict.fromkeys(shapes))
 
 
-def matmul_flops_per_s(m: int, k: int, n: int, dtype, seconds: float = 0.3) -> float:
-  """Best FLOP/s of one [m, k] x [k, n] matmul over repeated timed calls."""
-  a = jax.random.normal(jax.random.key(0), (m, k), dtype)
-  b = jax.random.normal(jax.random.key(1), (k, n), dtype)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
+def best_seconds(fn, *args, seconds: float = 0.3) -> float:
+  """The fastest of repeated timed calls of a jitted fn (after one untimed call)."""
+  jax.block_until_ready(fn(*args))
   best, spent = float("inf"), 0.0
   while spent < seconds or best == float("inf"):
     start = time.perf_counter()
-    f(a, b).block_until_ready()
+    jax.block_until_ready(fn(*args))
     elapsed = time.perf_counter() - start
     best, spent = min(best, elapsed), spent + elapsed
-  return 2.0 * m * k * n / best
+  return best
 
 
-def matmul_benchmark(cfg, w: Workload, square: int) -> tuple[float, list[dict]]:
+def matmul_flops_per_s(m: int, k: int, n: int, dtype) -> float:
+  """Best FLOP/s of one [m, k] x [k, n] matmul over repeated timed calls."""
+  a = jax.random.normal(jax.random.key(0), (m, k), dtype)
+  b = jax.random.normal(jax.random.key(1), (k, n), dtype)
+  return 2.0 * m * k * n / best_seconds(jax.jit(jnp.matmul), a, b)
+
+
+def mlp_block_flops_per_s(cfg, tokens: int, dtype) -> float:
+  """Best FLOP/s of the SwiGLU MLP block's forward and backward (gradients of the input
+  and the three weights: 3 + 6 matmuls) at the training forward's token count."""
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(keys[0], (tokens, d), dtype)
+  weights = [0.05 * jax.random.normal(k, s, dtype)
+             for k, s in zip(keys[1:], ((d, f), (d, f), (f, d)))]
+
+  def block(x, gate, up, down):
+    return jnp.sum((jax.nn.silu(x @ gate) * (x @ up)) @ down)
+
+  grad = jax.jit(jax.grad(block, argnums=(0, 1, 2, 3)))
+  return 9 * 2.0 * tokens * d * f / best_seconds(grad, x, *weights)
+
+
+def matmul_benchmark(cfg, w: Workload, square: int) -> tuple[float, list[dict], float]:
+  """(best matmul FLOP/s, one row per shape, the MLP block's FLOP/s)."""
   dtype = jnp.dtype(cfg.compute_dtype)
   rows = [{"m": m, "k": k, "n": n, "dtype": dtype.name,
            "flops_per_s": matmul_flops_per_s(m, k, n, dtype)}
           for m, k, n in matmul_shapes(cfg, w, square)]
-  return max(r["flops_per_s"] for r in rows), rows
+  block = mlp_block_flops_per_s(cfg, w.rollouts * w.sequence_tokens, dtype)
+  return max(r["flops_per_s"] for r in rows), rows, block
+
+
+def ceilings(cfg, w: Workload, matmuls: list[dict], block: float, peak: float) -> dict:
+  """Roofline fractions that parts of the phases reach run alone, as bounds on theirs.
+
+  rollout_decode_matmuls: a decode step whose matmuls each ran at their own shape's
+    measured rate, with nothing else taking time (no attention, sampling or loop).
+  train_mlp_block: the SwiGLU MLP block's forward and backward at the training token
+    count, the largest part of the train phase's FLOPs.
+  """
+  rate = {(r["m"], r["k"], r["n"]): r["flops_per_s"] for r in matmuls}
+  shapes = decode_matmuls(cfg, w.rollouts)
+  flops = sum(2.0 * m * k * n * count for (m, k, n), count in shapes)
+  seconds = sum(2.0 * m * k * n * count / rate[(m, k, n)] for (m, k, n), count in shapes)
+  return {"rollout_decode_matmuls": flops / seconds / peak, "train_mlp_block": block / peak}
 
 
 # ---------------------------------------------------------------------------- report
@@ -393,6 +445,8 @@ def run(args) -> dict[str, Any]:
   devices = w.devices or jax.device_count()
   out = summarise(timings, census, peak, devices)
   out["matmul_benchmark"] = matmuls
+  out["mlp_block_flops_per_s"] = max(before[2], after[2])
+  out["roofline_ceilings"] = ceilings(model_cfg, w, matmuls, out["mlp_block_flops_per_s"], peak)
   out["compilations_in_warmup"] = warm_compiles
   out["compilations_in_timed_steps"] = timed_compiles
   out["workload"] = {**dataclasses.asdict(w), "rollouts": trajectories,

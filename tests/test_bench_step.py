@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = {"rollout", "reward", "advantage", "pack", "train", "sync", "waiting"}
 
@@ -31,6 +33,11 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert out["achievable_flops_per_s"] == max(m["flops_per_s"]
                                               for m in out["matmul_benchmark"])
   assert 0 < out["roofline_fraction"] < 1 and set(out["roofline_fraction_per_phase"]) == PHASES
+  # The decode matmuls' ceiling weighs rates that are each at most the best one.
+  ceilings = out["roofline_ceilings"]
+  assert 0 < ceilings["rollout_decode_matmuls"] <= 1
+  block = out["mlp_block_flops_per_s"] / out["achievable_flops_per_s"]
+  assert ceilings["train_mlp_block"] == pytest.approx(block) and block > 0
   # The trainer's share: one program for the rollout batch, one fetch of its metrics.
   assert out["program_executions_per_phase"]["train"] == 1
   assert out["host_round_trips_per_phase"]["train"] == 1
