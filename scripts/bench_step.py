@@ -47,6 +47,9 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     on what the phase itself can reach on this device: rollout_decode_matmuls (one decode
     step's matmuls, each at its own shape's measured rate, nothing else taking time) and
     train_mlp_block (mlp_block_flops_per_s / achievable_flops_per_s).
+  peak_flops_per_s, mfu: the device's dense peak in the compute dtype where known
+    (bfloat16 on H100 / H200 / A100, PEAK_BF16_FLOPS_PER_S) and the model FLOPs
+    utilisation of the step, the rollout and the train phase against it; null elsewhere.
   host_round_trips_per_step (and per phase): device-to-host fetches in one steady-state
     step, counted by telemetry.DispatchCensus: one per jax.device_get (a whole pytree) and
     one per other read of an array's value (np.asarray, float, .tolist(), ...).
@@ -115,6 +118,9 @@ MODELS = {
     "llama-1b": ModelSpec(source="llama3.2-1b", tokenizer="chars"),
 }
 PHASES = ("rollout", "reward", "advantage", "pack", "train", "sync", "waiting")
+# Dense bfloat16 peak FLOP/s by device kind (first match in order), for the MFU of
+# bfloat16 runs: the vendors' figures for the SXM parts, without sparsity.
+PEAK_BF16_FLOPS_PER_S = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +398,26 @@ def ceilings(cfg, w: Workload, matmuls: list[dict], block: float, peak: float) -
 # ---------------------------------------------------------------------------- report
 
 
+def peak_flops_per_s(device_kind: str, compute_dtype: str) -> Optional[float]:
+  """The device's dense peak FLOP/s in the compute dtype, where known (bfloat16 GPUs)."""
+  if compute_dtype != "bfloat16":
+    return None
+  return next((f for name, f in PEAK_BF16_FLOPS_PER_S.items() if name in device_kind), None)
+
+
+def model_flops_utilisation(out: dict, peak: Optional[float]) -> Optional[dict]:
+  """FLOPs / seconds / (peak x devices) for the step and its device phases (None: no peak)."""
+  if peak is None:
+    return None
+  capacity = peak * out["devices"]
+  mfu = {"step": out["flops_per_step"] / out["step_s"] / capacity}
+  for phase in ("rollout", "train"):
+    seconds = out["phase_s"][phase]
+    mfu[phase] = out["flops_per_phase"][phase] / seconds / capacity if seconds > 0 else 0.0
+  return mfu
+
+
+
 def summarise(timings: list[dict], census: DispatchCensus, peak: float, devices: int) -> dict:
   median = lambda key: statistics.median(t.get(key, 0.0) for t in timings)
   step_s = median("time/step")
@@ -456,6 +482,8 @@ def run(args) -> dict[str, Any]:
                      "warmup": args.warmup}
   out["device"] = jax.devices()[0].device_kind
   out["devices"] = devices
+  out["peak_flops_per_s"] = peak_flops_per_s(out["device"], model_cfg.compute_dtype)
+  out["mfu"] = model_flops_utilisation(out, out["peak_flops_per_s"])
   out["backend"] = jax.default_backend()
   out["jax"] = jax.__version__
   out["date"] = datetime.date.today().isoformat()

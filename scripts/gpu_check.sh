@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command: gpu-marked tests, greedy engine vs the dense decoder on the
-# device, and the kernel, rollout, sync, step, scale and generation benchmarks. Every
-# result lands in one dated JSON file (default docs/gpu_check_YYYY-MM-DD.json; or the
-# path in GPU_CHECK_OUT), with the device, date and versions; a failing part is recorded
-# with its output tail and the others still run.
+# device, and the kernel, rollout, sync, step (tiny and 1B shapes), scale and generation
+# benchmarks. Every result lands in one dated JSON file (default
+# docs/gpu_check_YYYY-MM-DD.json; or the path in GPU_CHECK_OUT), with the device, date
+# and versions; a failing part is recorded with its output tail and the others still run.
 #
 # Uses .venv/bin/python when it exists, else PYTHON (default python3) with this checkout
 # on PYTHONPATH: a GPU host with jax[cuda] and the project's requirements needs no setup.
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/gpu_check_$(date +%F).json}
-PARTS=${PARTS:-"tests greedy kernels rollout sync step scale generate"}
+PARTS=${PARTS:-"tests greedy kernels rollout sync step step_1b scale generate"}
 LIMIT=${PART_TIMEOUT_S:-900}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -35,6 +35,8 @@ part kernels "$PY" scripts/bench_kernels.py --json
 part rollout "$PY" scripts/bench_rollout.py --json
 part sync "$PY" scripts/bench_sync.py --json
 part step "$PY" scripts/bench_step.py --json
+# Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak.
+part step_1b "$PY" scripts/bench_step.py --json --model llama-1b
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json
 

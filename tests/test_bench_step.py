@@ -46,3 +46,17 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert out["host_round_trips_per_step"] >= 1 and out["compilations_in_timed_steps"] == 0
   assert out["devices"] == 1 and out["workload"]["rollouts"] == 4
   assert out["workload"]["remat"] == "dots_no_batch"
+  assert out["peak_flops_per_s"] is None and out["mfu"] is None  # a CPU has no listed peak
+
+
+def test_mfu_is_against_the_devices_bfloat16_peak():
+  bench = _bench_step()
+  assert bench.peak_flops_per_s("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+  assert bench.peak_flops_per_s("NVIDIA H100 PCIe", "bfloat16") == 756e12
+  assert bench.peak_flops_per_s("NVIDIA H100 80GB HBM3", "float32") is None
+  assert bench.peak_flops_per_s("cpu", "bfloat16") is None
+  out = {"devices": 2, "step_s": 2.0, "flops_per_step": 8e12,
+         "phase_s": {"rollout": 0.5, "train": 1.0},
+         "flops_per_phase": {"rollout": 1e12, "train": 6e12}}
+  assert bench.model_flops_utilisation(out, 1e12) == {"step": 2.0, "rollout": 1.0, "train": 3.0}
+  assert bench.model_flops_utilisation(out, None) is None
