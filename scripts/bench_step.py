@@ -417,7 +417,6 @@ def model_flops_utilisation(out: dict, peak: Optional[float]) -> Optional[dict]:
   return mfu
 
 
-
 def summarise(timings: list[dict], census: DispatchCensus, peak: float, devices: int) -> dict:
   median = lambda key: statistics.median(t.get(key, 0.0) for t in timings)
   step_s = median("time/step")
