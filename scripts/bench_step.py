@@ -406,15 +406,14 @@ def peak_flops_per_s(device_kind: str, compute_dtype: str) -> Optional[float]:
 
 
 def model_flops_utilisation(out: dict, peak: Optional[float]) -> Optional[dict]:
-  """FLOPs / seconds / (peak x devices) for the step and its device phases (None: no peak)."""
+  """The step's and device phases' roofline fractions rescaled from the achievable FLOP/s
+  to the device's peak (None: no peak)."""
   if peak is None:
     return None
-  capacity = peak * out["devices"]
-  mfu = {"step": out["flops_per_step"] / out["step_s"] / capacity}
-  for phase in ("rollout", "train"):
-    seconds = out["phase_s"][phase]
-    mfu[phase] = out["flops_per_phase"][phase] / seconds / capacity if seconds > 0 else 0.0
-  return mfu
+  scale = out["achievable_flops_per_s"] / peak
+  per_phase = out["roofline_fraction_per_phase"]
+  return {"step": out["roofline_fraction"] * scale,
+          **{phase: per_phase[phase] * scale for phase in ("rollout", "train")}}
 
 
 def summarise(timings: list[dict], census: DispatchCensus, peak: float, devices: int) -> dict:

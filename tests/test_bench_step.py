@@ -55,8 +55,8 @@ def test_mfu_is_against_the_devices_bfloat16_peak():
   assert bench.peak_flops_per_s("NVIDIA H100 PCIe", "bfloat16") == 756e12
   assert bench.peak_flops_per_s("NVIDIA H100 80GB HBM3", "float32") is None
   assert bench.peak_flops_per_s("cpu", "bfloat16") is None
-  out = {"devices": 2, "step_s": 2.0, "flops_per_step": 8e12,
-         "phase_s": {"rollout": 0.5, "train": 1.0},
-         "flops_per_phase": {"rollout": 1e12, "train": 6e12}}
+  # 2 devices, 8 TFLOP in 2 s (rollout 1 in 0.5 s, train 6 in 1 s), 0.5 TFLOP/s achievable.
+  out = {"achievable_flops_per_s": 0.5e12, "roofline_fraction": 4.0,
+         "roofline_fraction_per_phase": {"rollout": 2.0, "train": 6.0, "reward": 0.0}}
   assert bench.model_flops_utilisation(out, 1e12) == {"step": 2.0, "rollout": 1.0, "train": 3.0}
   assert bench.model_flops_utilisation(out, None) is None
