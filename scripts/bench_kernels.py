@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post import kernels
+from jaxrl_post.telemetry import peaks
 
-PEAK_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
@@ -50,8 +50,7 @@ def max_abs_err(a, b) -> float:
 
 
 def peak_bandwidth():
-  kind = jax.devices()[0].device_kind
-  return next((bw for name, bw in PEAK_HBM_BYTES_PER_S.items() if name in kind), None)
+  return peaks.lookup(peaks.HBM_BYTES_PER_S, jax.devices()[0].device_kind)
 
 
 def bandwidth(bytes_read: int, ms: float) -> dict:

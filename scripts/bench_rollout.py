@@ -48,8 +48,8 @@ from jaxrl_post.models.transformer import init_model, params_of
 from jaxrl_post.rollout import (Engine, EngineConfig, PoolConfig, Request, SamplingParams,
                                 Scheduler)
 from jaxrl_post.rollout.pages import cdiv, page_bytes
+from jaxrl_post.telemetry import peaks
 
-PEAK_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 TINY = ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, compute_dtype="float32",
                    max_position_embeddings=1024)
@@ -209,8 +209,7 @@ def continuous_vs_static(model, num_requests: int, repeats: int = 3) -> dict:
 
 
 def _peak_bandwidth() -> float | None:
-  kind = jax.devices()[0].device_kind
-  return next((bw for name, bw in PEAK_HBM_BYTES_PER_S.items() if name in kind), None)
+  return peaks.lookup(peaks.HBM_BYTES_PER_S, jax.devices()[0].device_kind)
 
 
 def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,

@@ -48,7 +48,7 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     step's matmuls, each at its own shape's measured rate, nothing else taking time) and
     train_mlp_block (mlp_block_flops_per_s / achievable_flops_per_s).
   peak_flops_per_s, mfu: the device's dense peak in the compute dtype where known
-    (bfloat16 on H100 / H200 / A100, PEAK_BF16_FLOPS_PER_S) and the model FLOPs
+    (bfloat16 on H100 / H200 / A100, telemetry.peaks) and the model FLOPs
     utilisation of the step, the rollout and the train phase against it; null elsewhere.
   host_round_trips_per_step (and per phase): device-to-host fetches in one steady-state
     step, counted by telemetry.DispatchCensus: one per jax.device_get (a whole pytree) and
@@ -97,7 +97,7 @@ from jaxrl_post.rl.trainer import TrainerConfig
 from jaxrl_post.rollout import EngineConfig
 from jaxrl_post.rollout.pages import PoolConfig
 from jaxrl_post.sharding import PlacementConfig, SyncConfig
-from jaxrl_post.telemetry import StepTimer
+from jaxrl_post.telemetry import StepTimer, peaks
 from jaxrl_post.telemetry.dispatch import DispatchCensus
 
 TINY_LLAMA = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
@@ -118,9 +118,6 @@ MODELS = {
     "llama-1b": ModelSpec(source="llama3.2-1b", tokenizer="chars"),
 }
 PHASES = ("rollout", "reward", "advantage", "pack", "train", "sync", "waiting")
-# Dense bfloat16 peak FLOP/s by device kind (first match in order), for the MFU of
-# bfloat16 runs: the vendors' figures for the SXM parts, without sparsity.
-PEAK_BF16_FLOPS_PER_S = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +399,7 @@ def peak_flops_per_s(device_kind: str, compute_dtype: str) -> Optional[float]:
   """The device's dense peak FLOP/s in the compute dtype, where known (bfloat16 GPUs)."""
   if compute_dtype != "bfloat16":
     return None
-  return next((f for name, f in PEAK_BF16_FLOPS_PER_S.items() if name in device_kind), None)
+  return peaks.lookup(peaks.BF16_FLOPS_PER_S, device_kind)
 
 
 def model_flops_utilisation(out: dict, peak: Optional[float]) -> Optional[dict]:
