@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from jaxrl_post.models import ModelConfig, preset
-from jaxrl_post.models.transformer import init_model, params_of
+from jaxrl_post.models.transformer import init_model
 from jaxrl_post.rollout import (Engine, EngineConfig, PoolConfig, Request, SamplingParams,
                                 Scheduler)
 from jaxrl_post.rollout.pages import cdiv, page_bytes
