@@ -48,6 +48,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxrl_post.kernels.platform import kernel_platform
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 BACKENDS = ("triton", "splash", "blocked")
 _NO_SEGMENT = np.iinfo(np.int32).max
@@ -552,7 +554,7 @@ class PackedAttentionConfig:
 
 
 def _resolve(config):
-  platform = jax.default_backend()
+  platform = kernel_platform()  # The traced-for devices', not the host's (kernels.platform).
   backend = config.backend or ("splash" if platform == "tpu" else "triton")
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

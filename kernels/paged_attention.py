@@ -44,6 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxrl_post.kernels.platform import kernel_platform
+
 # Large finite negative for masked scores: exp() of it underflows to exactly 0 without
 # producing inf - inf = NaN in the running-max update.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -144,6 +146,19 @@ def _split_plan(batch, hkv, max_pages, pages_per_block, num_splits):
   return num_splits, pl.cdiv(blocks, num_splits) * pages_per_block
 
 
+def _cost(q, k_pages, table_pages):
+  """What a call reads and computes when every row uses its whole page table: K and V of
+  each row's pages once per KV head, the queries, the f32 outputs. The engine narrows the
+  table to the pages in use, so this is the step's attention traffic, which XLA's cost
+  model (and so jaxrl_post.plan) would otherwise take to be the whole pool per call."""
+  b, hkv, g, d = q.shape
+  tokens = table_pages * k_pages.shape[2]
+  kv = 2 * b * hkv * tokens * d * k_pages.dtype.itemsize
+  io = q.size * q.dtype.itemsize + b * hkv * g * (d + 1) * 4 + b * table_pages * 4
+  return pl.CostEstimate(flops=4 * b * hkv * g * tokens * d,
+                         transcendentals=b * hkv * g * tokens, bytes_accessed=kv + io)
+
+
 def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
                        interpret):
   """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
@@ -182,6 +197,7 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
+      cost_estimate=_cost(q, k_pages, page_table.shape[1]),
       name="paged_attention_triton",
   )(q, k_pages, v_pages, page_table, lengths)
   out, lse = merge_attention_parts(out, lse)
@@ -262,6 +278,7 @@ def _paged_call_mosaic(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
+      cost_estimate=_cost(q, k_pages, max_pages),
       name="paged_attention_mosaic",
   )(page_table.reshape(-1), lengths, q, *([k_pages] * ppb), *([v_pages] * ppb))
   return out, lse[..., 0]
@@ -282,8 +299,8 @@ class PagedAttentionConfig:
       to give about 256 programs. Ignored on TPU, whose grid walks the context serially.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining depth.
-    backend: "triton" or "mosaic"; None picks by the default backend (TPU -> mosaic,
-      otherwise triton, which the CPU runs in interpret mode).
+    backend: "triton" or "mosaic"; None picks by the platform traced for (TPU -> mosaic,
+      otherwise triton, which the CPU runs in interpret mode; see kernels.platform).
     interpret: run the Pallas interpreter; None means "only on CPU".
   """
   block_kv: int = 128
@@ -299,8 +316,9 @@ def _pages_per_block(block_kv, page_size):
 
 
 def resolve_backend(backend, interpret):
-  """(backend, interpret) for this call: TPU -> mosaic, GPU -> triton, CPU -> interpreter."""
-  platform = jax.default_backend()
+  """(backend, interpret) for this call: TPU -> mosaic, GPU -> triton, CPU -> interpreter,
+  by the platform the call is traced for (kernels.platform), not the host's."""
+  platform = kernel_platform()
   if backend is None:
     backend = "mosaic" if platform == "tpu" else "triton"
   if backend not in BACKENDS:

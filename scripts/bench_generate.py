@@ -287,7 +287,7 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
                             "prefill_rows", "prefix_cache", "decode_buckets")
                             if hasattr(config, k)},
                    prefill_tokens_per_step=args.prefill_tokens_per_step,
-                   overlap=sched.overlaps)
+                   overlap=sched.overlaps(engine.layout.mesh))
     return figures, completions
 
   return run

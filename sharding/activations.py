@@ -41,6 +41,12 @@ def active_rules() -> Optional[tuple[Rules, Mesh]]:
   return None if active is None or active[1].size == 1 else active
 
 
+def active_mesh() -> Optional[Mesh]:
+  """The mesh of the enclosing `activation_rules` block (one device included), else None."""
+  active = _ACTIVE.get()
+  return None if active is None else active[1]
+
+
 def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
   """x with a sharding constraint from its logical dim names (None: replicated dim)."""
   active = active_rules()

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_post.kernels import PackedAttentionConfig, packed_attention
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.sharding import active_rules, logical_to_spec
+from jaxrl_post.sharding import active_rules, logical_to_spec, target_platform
 
 # A large finite negative instead of -inf: rows with nothing to attend to (padding)
 # then give a uniform softmax instead of NaNs that would poison gradients.
@@ -142,9 +142,11 @@ def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
   if segment_ids.shape[1] <= config.plain_max_len:
     return _plain_packed(segment_ids, positions, sliding_window)
   kernel = config.kernel
-  if kernel.backend is None:
-    backend = {"gpu": "triton", "tpu": "splash"}.get(jax.default_backend(), "blocked")
-    kernel = dataclasses.replace(kernel, backend=backend)
+  if kernel.backend is None:  # By the devices traced for, not the host (sharding.platform).
+    platform = target_platform()
+    backend = {"gpu": "triton", "tpu": "splash"}.get(platform, "blocked")
+    interpret = platform == "cpu" if kernel.interpret is None else kernel.interpret
+    kernel = dataclasses.replace(kernel, backend=backend, interpret=interpret)
   fn = functools.partial(packed_attention, config=kernel, sliding_window=sliding_window)
   if kernel.backend == "blocked":  # plain XLA ops: the partitioner shards them itself
     return lambda q, k, v: fn(q, k, v, segment_ids)

@@ -30,6 +30,7 @@ from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import _group_queries, _ungroup
 from jaxrl_post.kernels.paged_attention import merge_attention_parts
 from jaxrl_post.models import layers as L
+from jaxrl_post.sharding import on_accelerator
 
 
 class SharedPrefix(NamedTuple):
@@ -45,7 +46,9 @@ class SharedPrefix(NamedTuple):
 
 
 def use_kernel_default() -> bool:
-  return jax.default_backend() in ("gpu", "tpu")
+  """Kernels where the traced-for devices are accelerators (the engine traces attention
+  inside shard_map over its mesh, whose devices say; see sharding.platform)."""
+  return on_accelerator()
 
 
 def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> [B, M*ps, Hkv, D]

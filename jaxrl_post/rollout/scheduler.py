@@ -52,11 +52,11 @@ import collections
 import dataclasses
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rollout.sampling import SamplingParams
+from jaxrl_post.sharding import mesh_platform, on_accelerator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,10 @@ class SchedulerConfig:
   prefill_tokens_per_step: int = 512
   overlap: bool | None = None
 
-  @property
-  def overlaps(self) -> bool:
-    """`overlap`, with None resolved for the default backend."""
-    return jax.default_backend() != "cpu" if self.overlap is None else self.overlap
+  def overlaps(self, mesh) -> bool:
+    """`overlap`, with None resolved for the platform of the engine's `mesh` (not the
+    host's backend: see sharding.platform)."""
+    return on_accelerator(mesh_platform(mesh)) if self.overlap is None else self.overlap
 
   def __post_init__(self):
     if self.prefill_tokens_per_step < 1:
@@ -340,7 +340,7 @@ class Scheduler:
       self.slots[slot] = self._first_only(g, prefix, first + k)
 
   def _decode(self) -> list[tuple[int, int, Completion]]:
-    if not self.config.overlaps:
+    if not self.config.overlaps(self.engine.layout.mesh):
       out = self.engine.generate()
     else:  # Queue the next call (two at the start) before waiting for the oldest.
       for _ in range((2 - self.engine.in_flight) if self._busy() else 0):

@@ -8,7 +8,9 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.decode import generate_dense
 from jaxrl_post.models.transformer import init_model, params_of
 from jaxrl_post.rollout import Request, SamplingParams, Scheduler, SchedulerConfig, generate
+from jaxrl_post.rollout.layout import RolloutLayout
 from tests.rollout import helpers as H
+from tests.tpu import tpu_mesh
 
 LOGPROB_TOL = H.LOGPROB_TOL
 STOPS = (5, 11)
@@ -153,6 +155,9 @@ def test_requests_the_engine_cannot_serve_are_user_errors():
 
 
 def test_overlap_is_on_for_accelerators_and_off_on_a_cpu_by_default():
-  assert SchedulerConfig().overlaps is (jax.default_backend() != "cpu")
-  assert SchedulerConfig(overlap=True).overlaps is True
-  assert SchedulerConfig(overlap=False).overlaps is False
+  cpu = RolloutLayout.build(H.CFG).mesh
+  tpu = tpu_mesh("v5e:2x2")
+  assert SchedulerConfig().overlaps(cpu) is False  # The mesh's devices decide, not the host.
+  assert SchedulerConfig().overlaps(tpu) is True
+  assert SchedulerConfig(overlap=True).overlaps(cpu) is True
+  assert SchedulerConfig(overlap=False).overlaps(tpu) is False

@@ -33,8 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
+from jaxrl_post.plan.hlo_cost import ProgramCost, kernels_in, program_cost
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
+from jaxrl_post.rl.packing import bucket
 from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerConfig,
                                    TrainState, optimizer_state_shardings)
 from jaxrl_post.rollout.pages import page_bytes
@@ -58,6 +60,9 @@ class CompiledMemory:
     flops: floating-point operations per device, from XLA's cost model, which counts a
       loop body once: scanned layers and micro-batches are undercounted, so compare
       programs of one structure (the same step on 1 and 8 devices), not absolute FLOPs.
+    cost: FLOPs, memory bytes and collective bytes per device with every loop counted
+      by its trip count (plan.hlo_cost), for predicting times.
+    kernels: the Pallas kernels the compiled program calls, e.g. "paged_attention mosaic".
   """
 
   argument_bytes: int
@@ -66,6 +71,8 @@ class CompiledMemory:
   generated_code_bytes: int
   alias_bytes: int
   flops: float
+  cost: Optional[ProgramCost] = None
+  kernels: tuple[str, ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -162,12 +169,14 @@ def _spec(names, shape, mesh: Mesh, rules) -> NamedSharding:
 def compiled_memory(compiled) -> CompiledMemory:
   """CompiledMemory of a `jax.stages.Compiled`."""
   m = compiled.memory_analysis()
+  text = compiled.as_text()
   return CompiledMemory(argument_bytes=int(m.argument_size_in_bytes),
                         output_bytes=int(m.output_size_in_bytes),
                         temp_bytes=int(m.temp_size_in_bytes),
                         generated_code_bytes=int(m.generated_code_size_in_bytes),
                         alias_bytes=int(m.alias_size_in_bytes),
-                        flops=_flops(compiled))
+                        flops=_flops(compiled), cost=program_cost(text),
+                        kernels=kernels_in(text))
 
 
 def _flops(compiled) -> float:
@@ -272,6 +281,16 @@ def head_positions_bound(sequences: int, completion_len: int, shards: int) -> in
   layout, split evenly over the row shards (the packer's per-shard buckets hold about
   that many when the rows are balanced)."""
   return shards * math.ceil(sequences * completion_len / shards)
+
+
+def micro_batch_shape(trajectories: int, longest: int, row_tokens: int,
+                      shards: int) -> tuple[int, int]:
+  """(packed rows, sequences) of one micro-batch of `trajectories` at worst, as the
+  trainer buckets them: first-fit needs under twice the rows the tokens fill and never
+  more than one per trajectory; sequences round up to whole row shards."""
+  filled = math.ceil(trajectories * longest / row_tokens)
+  return (bucket(min(trajectories, 2 * filled), shards),
+          shards * math.ceil(trajectories / shards))
 
 
 def _state_shardings(state: TrainState):

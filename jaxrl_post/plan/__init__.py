@@ -1,0 +1,17 @@
+"""Planning a run at real sizes without weights or hardware: memory, cost and a verdict.
+
+`memory` compiles single programs on abstract arrays and reads XLA's memory analysis;
+`targets` names the hardware (local devices, TPU slices through libtpu's compile-only
+topologies, GPU nodes); `programs` compiles a run's own programs for a target; `cost`
+turns their FLOPs and bytes into predicted seconds; `report` prints the verdict. The CLI
+is `python -m jaxrl_post.plan`.
+"""
+
+from jaxrl_post.plan.memory import (GB, Allocation, CompiledMemory, PoolPlan, TrainStepMemory,
+                                    abstract_reference, abstract_step_batch,
+                                    abstract_train_state, compile_with_allocations,
+                                    compiled_memory, decode_loop_memory, device_bytes,
+                                    head_positions_bound, kv_head_shards, micro_batch_shape, kv_pool_pages,
+                                    lower_train_step, pool_bytes_beside_train_step,
+                                    reference_bytes, rollout_bytes, single_device_mesh,
+                                    train_step_memory, weight_bytes)

@@ -1,0 +1,113 @@
+"""Will this config fit, and how long will a step take? `python -m jaxrl_post.plan`.
+
+  python -m jaxrl_post.plan --gin_file=configs/X.gin [--gin_param=...] [--target=T] [--json]
+
+Compiles the run's own programs (train minibatch, prefill, decode loop, weight sync) for
+the target on abstract arrays, with no weights and no data, and prints memory per device,
+the KV pool that fits, the attention kernels each program compiled with, predicted
+seconds per role and the bytes each step moves. Targets: `local` (this host's devices,
+the default), TPU slices (v4-8 ... v6e-256, compiled by libtpu on any host: pip install
+-e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x8, a100x8). Exit status: 0 fits, 1 does
+not fit (after the report: use it as a pre-flight check), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional, Sequence
+
+from jaxrl_post import compile_cache
+from jaxrl_post.errors import UserError
+from jaxrl_post.plan import targets
+
+# Planning reads no data: the task only scores completions, so any data files the config
+# names are not opened (a laptop plans a run whose data lives on the cluster).
+NO_DATA = "Experiment.task = @ArithmeticTask()"
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jaxrl_post.plan",
+                              description="Plan a run: memory, kernels, predicted step time.")
+  p.add_argument("--gin_file", action="append", default=[], help="gin config file")
+  p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
+  p.add_argument("--target", default="local",
+                 help=f"hardware to plan for (one of: {', '.join(targets.known_targets())})")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  compile_cache.add_cache_flag(p)
+  return p
+
+
+def measured_peaks(devices) -> tuple[float, float]:
+  """(FLOP/s, bytes/s) of one local device, measured: a large matmul and a large copy in
+  the model's float32 (the CPU has no bfloat16 matmul units worth the name)."""
+  import jax
+  import jax.numpy as jnp
+
+  def best(fn, *args, repeats=5):
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn(*args).block_until_ready()
+      times.append(time.perf_counter() - t0)
+    return min(times)
+
+  n = 1024
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
+  flops = 2 * n ** 3 / best(jax.jit(lambda x: x @ x), a)
+  big = jax.device_put(jnp.ones((16 << 20,), jnp.float32), devices[0])
+  bandwidth = 2 * big.nbytes / best(jax.jit(lambda x: x * 1.0001), big)
+  return flops, bandwidth
+
+
+def run(argv: Sequence[str]) -> int:
+  args = _parser().parse_args(argv)
+  target = targets.resolve(args.target)
+  targets.compile_only_tpu_env()
+  targets.host_device_flags(target)  # before jax starts its backends
+  compile_cache.enable(args.compilation_cache)
+  from jaxrl_post.pipeline import config
+  from jaxrl_post.plan import programs, report
+
+  if not args.gin_file:
+    raise UserError("no config: pass --gin_file=configs/<name>.gin")
+  config.parse(args.gin_file, [*args.gin_param, NO_DATA])
+  exp = config.build_experiment()
+  devices = targets.target_devices(target)
+  if exp.placement.num_devices:
+    devices = devices[:exp.placement.num_devices]
+  compiled = programs.compile_programs(exp, devices)
+  if target.chip is None:
+    chip = report.local_chip(devices, *measured_peaks(devices),
+                             programs.local_chip_memory(devices))
+  else:
+    share = target.chips / len(devices)  # a v4 chip shows as two devices
+    chip = target.chip if share == 1 else _per_device(target.chip, share)
+  plan = report.build(compiled, target, chip, exp, len(devices))
+  if args.json:
+    print(json.dumps(plan.as_json(), indent=1))
+  else:
+    print(report.text(plan))
+  return 0 if plan.fits else 1
+
+
+def _per_device(chip, share: float):
+  import dataclasses
+  return dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * share,
+                             hbm_bytes_per_s=chip.hbm_bytes_per_s * share,
+                             bf16_flops_per_s=chip.bf16_flops_per_s * share)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  try:
+    return run(sys.argv[1:] if argv is None else argv)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

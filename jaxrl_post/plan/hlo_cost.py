@@ -1,0 +1,332 @@
+"""FLOPs and memory bytes of a compiled program, loops counted by their trip counts.
+
+XLA's `cost_analysis()` counts a while loop's body once, so a decode loop of 32 steps over
+32 scanned layers reports the cost of one layer of one step. This walker reads the
+optimized HLO text of a compiled program (`compiled.as_text()`) and sums, per
+instruction that the device executes:
+
+* bytes: what a top-level op (a fusion, a copy, a collective, a kernel) reads and writes.
+  A fusion operand that the fusion only slices (the per-layer slice of a scanned weight
+  stack) counts as the slice it reads, and an in-place dynamic-update-slice as the update
+  it writes, as the memory system sees them;
+* flops: 2 x output elements x contracted elements of every dot, fused or not;
+* collective bytes: the payload of all-gather, all-reduce, reduce-scatter, all-to-all and
+  collective-permute;
+* a Pallas kernel (custom call) by the cost estimate it carries, else its operands and
+  outputs;
+
+and multiplies a while body by its trip count, read from the loop condition's bound
+(`i < N` against a constant: fori_loop and scan) or from XLA's known_trip_count. A loop
+whose bound is not a constant counts once and is listed in `unknown_loops`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Optional
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s+=\s+(.*)$")
+# Ops that move no data of their own (views, tuples, control, scalars from the runtime).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "partition-id", "replica-id", "iota", "copy-done", "all-gather-done",
+         "all-reduce-done", "collective-permute-done", "send-done", "recv-done",
+         "opt-barrier", "add-dependency", "domain"}
+_COLLECTIVES = {"all-gather", "all-gather-start", "all-reduce", "all-reduce-start",
+                "reduce-scatter", "all-to-all", "collective-permute",
+                "collective-permute-start", "ragged-all-to-all"}
+_SLICES = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice", "scatter"}
+
+
+@dataclasses.dataclass
+class Cost:
+  flops: float = 0.0
+  bytes: float = 0.0
+  collective_bytes: float = 0.0
+
+  def add(self, other: "Cost", times: float = 1.0) -> None:
+    self.flops += times * other.flops
+    self.bytes += times * other.bytes
+    self.collective_bytes += times * other.collective_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  name: str
+  shape: str  # the result type, e.g. "bf16[4,64]{1,0}" or a tuple "(s32[], ...)"
+  opcode: str
+  operands: tuple[str, ...]
+  args: str  # the operand list as written: "%a, %b", or a parameter's index, a constant
+  attrs: str  # everything after the operand list
+  root: bool
+
+
+@dataclasses.dataclass
+class ProgramCost:
+  """A program's totals, loops counted, plus what could not be counted exactly."""
+
+  flops: float
+  bytes: float
+  collective_bytes: float
+  unknown_loops: list[str]
+
+
+def shape_bytes(shape: str) -> float:
+  """Bytes of every array in an HLO type (tuples summed; layouts ignored)."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(shape):
+    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _dims(shape: str) -> list[int]:
+  match = _ARRAY.search(shape)
+  return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """("type", "opcode(...)...") of an instruction's right-hand side: the type may be a
+  tuple with nested parentheses and layouts with braces."""
+  depth, i = 0, 0
+  while i < len(rest):
+    c = rest[i]
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      depth -= 1
+    elif c == " " and depth == 0:
+      return rest[:i], rest[i + 1:]
+    i += 1
+  return rest, ""
+
+
+def _operands(call: str) -> tuple[str, str, str]:
+  """(opcode, operand text, attributes) of "opcode(a, b), attr=..."."""
+  open_ = call.index("(")
+  depth = 0
+  for i in range(open_, len(call)):
+    depth += call[i] == "("
+    depth -= call[i] == ")"
+    if depth == 0:
+      return call[:open_], call[open_ + 1:i], call[i + 1:]
+  return call[:open_], call[open_ + 1:], ""
+
+
+def parse(text: str) -> tuple[dict[str, list[Instr]], Optional[str]]:
+  """Computations by name, and the entry computation's name."""
+  computations: dict[str, list[Instr]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    match = _INSTR.match(line)
+    if match is None or current is None:
+      continue
+    shape, call = _split_type(match.group(3))
+    if "(" not in call:
+      continue
+    opcode, args, attrs = _operands(call)
+    operands = tuple(re.findall(r"%([\w.\-]+)", args))
+    computations[current].append(Instr(match.group(2), shape, opcode, operands, args, attrs,
+                                       bool(match.group(1))))
+  return computations, entry
+
+
+class _Walker:
+  def __init__(self, computations: dict[str, list[Instr]]):
+    self.comps = computations
+    self.shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
+    self.unknown_loops: list[str] = []
+    self._memo: dict[str, Cost] = {}
+
+  def computation(self, name: str) -> Cost:
+    if name not in self._memo:
+      total = Cost()
+      for instr in self.comps.get(name, []):
+        total.add(self.instruction(instr))
+      self._memo[name] = total
+    return self._memo[name]
+
+  def instruction(self, instr: Instr) -> Cost:
+    op = instr.opcode
+    if op == "while":
+      body = _attr(instr.attrs, "body")
+      cond = _attr(instr.attrs, "condition")
+      trips = self.trip_count(instr, cond)
+      cost = Cost()
+      cost.add(self.computation(body), trips)
+      cost.add(self.computation(cond), trips)
+      return cost
+    if op == "conditional":
+      branches = re.findall(r"%([\w.\-]+)", _attr_list(instr.attrs, "branch_computations"))
+      costs = [self.computation(b) for b in branches] or [Cost()]
+      return max(costs, key=lambda c: c.bytes)
+    if op == "call":
+      return self.computation(_attr(instr.attrs, "to_apply"))
+    if op == "fusion":
+      return self.fusion(instr)
+    if op == "custom-call":
+      return self.custom_call(instr)
+    if op in _FREE:
+      return Cost()
+    cost = Cost(bytes=self.io_bytes(instr))
+    if op in ("dot", "convolution"):
+      cost.flops = self.dot_flops(instr)
+    if op in _COLLECTIVES:
+      cost.collective_bytes = max(shape_bytes(instr.shape),
+                                  sum(shape_bytes(self.shapes.get(o, "")) for o in instr.operands))
+    return cost
+
+  def io_bytes(self, instr: Instr) -> float:
+    if instr.opcode in _SLICES:  # Reads only what it returns.
+      return 2 * shape_bytes(instr.shape)
+    if instr.opcode in _IN_PLACE:  # Reads and writes only the update.
+      return 2 * self.update_bytes(instr)
+    reads = sum(shape_bytes(self.shapes.get(o, "")) for o in instr.operands)
+    return reads + shape_bytes(instr.shape)
+
+  def dot_flops(self, instr: Instr) -> float:
+    """2 x output elements x contracted elements. TPU programs write dots as convolutions
+    (dim_labels "bf_io->bf"): there the contracted lhs dims are those labelled "f"."""
+    lhs = _dims(self.shapes.get(instr.operands[0], ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+    labels = re.search(r"dim_labels=([\w]+)_", instr.attrs)
+    if contracting:
+      dims = [int(d) for d in contracting.group(1).split(",") if d]
+    elif labels:
+      dims = [i for i, c in enumerate(labels.group(1)) if c == "f"]
+    else:
+      dims = []
+    k = math.prod(lhs[d] for d in dims if d < len(lhs))
+    return 2.0 * math.prod(_dims(instr.shape)) * k
+
+  def fusion(self, instr: Instr) -> Cost:
+    body = self.comps.get(_attr(instr.attrs, "calls"), [])
+    cost = Cost(flops=self.fused_flops(body))
+    for index, operand in enumerate(instr.operands):
+      cost.bytes += self.param_read(body, index, shape_bytes(self.shapes.get(operand, "")))
+    root = next((i for i in body if i.root), None)
+    in_place = root is not None and root.opcode in _IN_PLACE
+    cost.bytes += self.update_bytes(root) if in_place else shape_bytes(instr.shape)
+    return cost
+
+  def fused_flops(self, body: list[Instr]) -> float:
+    flops = 0.0
+    for i in body:
+      if i.opcode in ("dot", "convolution"):
+        flops += self.dot_flops(i)
+      elif i.opcode == "fusion":
+        flops += self.fused_flops(self.comps.get(_attr(i.attrs, "calls"), []))
+    return flops
+
+  def update_bytes(self, instr: Instr) -> float:
+    """What an in-place update writes: a dynamic-update-slice's update, a scatter's."""
+    update = instr.operands[1] if instr.opcode == "dynamic-update-slice" else instr.operands[-1]
+    return shape_bytes(self.shapes.get(update, ""))
+
+  def param_read(self, body: list[Instr], index: int, full: float) -> float:
+    """Bytes a fusion reads of its operand `index`: the slices it takes when it only
+    slices it (through nested fusions too), nothing when it is only the buffer an in-place
+    update writes into, else all of it."""
+    param = next((i for i in body if i.opcode == "parameter" and i.args == str(index)), None)
+    if param is None:
+      return full
+    read = 0.0
+    for user in (i for i in body if param.name in i.operands):
+      first = user.operands[0] == param.name
+      if user.opcode in _SLICES and first:
+        read += shape_bytes(user.shape)
+      elif user.opcode in _IN_PLACE and first and user.operands.count(param.name) == 1:
+        continue
+      elif user.opcode == "bitcast":
+        read += self.param_read_through(body, user, full)
+      elif user.opcode == "fusion":
+        nested = self.comps.get(_attr(user.attrs, "calls"), [])
+        read += sum(self.param_read(nested, k, full)
+                    for k, o in enumerate(user.operands) if o == param.name)
+      else:
+        return full
+    return min(read, full)
+
+  def param_read_through(self, body: list[Instr], view: Instr, full: float) -> float:
+    """param_read for a bitcast of a parameter: its users, as if they used the parameter."""
+    users = [i for i in body if view.name in i.operands]
+    if users and all(u.opcode in _SLICES and u.operands[0] == view.name for u in users):
+      return min(sum(shape_bytes(u.shape) for u in users), full)
+    return full
+
+  def custom_call(self, instr: Instr) -> Cost:
+    estimate = re.search(r'"cost_estimate":\s*(\{[^}]*\})', instr.attrs)
+    if estimate:
+      fields = json.loads(estimate.group(1))
+      return Cost(flops=float(fields.get("flops", 0)),
+                  bytes=float(fields.get("bytes_accessed", 0)))
+    return Cost(bytes=self.io_bytes(instr))
+
+  def trip_count(self, instr: Instr, cond: str) -> float:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+    if known:
+      return float(known.group(1))
+    instrs = self.comps.get(cond, [])
+    consts = {i.name: i for i in instrs if i.opcode == "constant"}
+    for i in instrs:
+      if i.opcode != "compare":
+        continue
+      direction = re.search(r"direction=(\w+)", i.attrs)
+      bound = [consts[o].args for o in i.operands if o in consts]
+      if bound and re.fullmatch(r"-?\d+", bound[0]) and direction and (
+          direction.group(1) in ("LT", "LE", "GT", "GE")):
+        n = int(bound[0])
+        return float(n + 1 if direction.group(1) in ("LE", "GE") else n)
+    self.unknown_loops.append(instr.name)
+    return 1.0
+
+
+def _attr(attrs: str, key: str) -> str:
+  match = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
+  return match.group(1) if match else ""
+
+
+def _attr_list(attrs: str, key: str) -> str:
+  match = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
+  return match.group(1) if match else ""
+
+
+def program_cost(hlo_text: str) -> ProgramCost:
+  """The whole program's cost per device (an SPMD program's HLO is one device's)."""
+  computations, entry = parse(hlo_text)
+  walker = _Walker(computations)
+  total = walker.computation(entry) if entry else Cost()
+  return ProgramCost(total.flops, total.bytes, total.collective_bytes, walker.unknown_loops)
+
+
+_KERNEL_CALLS = {"tpu_custom_call": "mosaic", "__gpu$xla.gpu.triton": "triton"}
+
+
+def kernels_in(hlo_text: str) -> tuple[str, ...]:
+  """The Pallas kernels a compiled program calls, as "name lowering" ("paged_attention
+  mosaic"): the kernel's name is the op_name component before its pallas_call."""
+  found = set()
+  for line in hlo_text.splitlines():
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if not target or target.group(1) not in _KERNEL_CALLS:
+      continue
+    op_name = re.search(r'op_name="([^"]+)"', line)
+    parts = op_name.group(1).split("/") if op_name else ["kernel"]
+    name = parts[parts.index("pallas_call") - 1] if "pallas_call" in parts[1:] else parts[-1]
+    name = re.sub(r"_(mosaic|triton)$", "", name)
+    found.add(f"{name} {_KERNEL_CALLS[target.group(1)]}")
+  return tuple(sorted(found))

@@ -1,0 +1,179 @@
+"""A run's own programs, compiled for a target on abstract arrays.
+
+From an Experiment (the gin config the run would train with) and the target's devices:
+the placement's meshes, the model's shapes (no weights), and the four programs one RL
+step runs, each lowered exactly as the run jits it and compiled by the target's compiler:
+
+* train: the trainer's minibatch update at the run's worst-case packed micro-batch;
+* prefill: one packed prefill call of the engine at its configured rows and chunk;
+* decode: the engine's multi-step decode loop at the configured slots and a page table
+  as wide as the longest sequence;
+* sync: the weight sync (cast + reshard training -> rollout layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_post.models import PRESETS, ModelConfig, abstract_model, preset
+from jaxrl_post.models.transformer import is_adapter, logical_axes, params_of
+from jaxrl_post.plan import memory
+from jaxrl_post.plan.memory import CompiledMemory, TrainStepMemory, compiled_memory
+from jaxrl_post.rl.packing import completion_bucket
+from jaxrl_post.rl.trainer import Trainer
+from jaxrl_post.rollout.layout import RolloutLayout, shard_count
+from jaxrl_post.rollout.pages import cdiv
+from jaxrl_post.sharding import Meshes, PartialSync, WeightSync, build_meshes
+
+
+def model_config(exp) -> ModelConfig:
+  """The policy's shapes from ModelSpec.source without reading weights: a preset, a
+  Hugging Face directory (config.json is enough), or a GGUF / embedded model's metadata."""
+  spec = exp.model
+  overrides = dict(spec.overrides)
+  if spec.lora is not None:
+    overrides["lora"] = spec.lora
+  if spec.source in PRESETS:
+    return preset(spec.source, **overrides)
+  if os.path.isdir(spec.source):
+    from jaxrl_post.models.hf import config_from_hf, read_json
+    path = os.path.join(spec.source, "config.json")
+    return config_from_hf(read_json(path), path, **overrides)
+  from jaxrl_post.models import load  # GGUF files carry their weights; small ones only.
+  model, _ = load(spec.source, **overrides)
+  return model.config
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """The sizes the run's programs see, derived from the config as the run derives them."""
+
+  samples: int  # trajectories per RL step
+  longest: int  # prompt + completion tokens
+  completion_len: int  # T of the trainer's [B, T] completion layout
+  rows: int  # packed rows of one micro-batch
+  sequences: int  # trajectories of one micro-batch (padded to row shards)
+  num_slots: int  # decode slots over the rollout mesh
+  table_pages: int  # page-table width of the longest sequence
+  page_size: int
+  prefill_rows: int  # packed prefill rows per data shard and call
+  prefill_width: int  # tokens per prefill row
+
+
+def shapes(exp, trainer: Trainer, layout: RolloutLayout) -> Shapes:
+  r, t, eng = exp.rollout, exp.trainer, exp.rollout.engine
+  samples = r.prompts_per_step * r.group_size
+  longest = exp.prompts.max_prompt_tokens + r.max_new_tokens
+  per_micro = samples // (t.minibatches * t.micro_batches)
+  rows, sequences = memory.micro_batch_shape(per_micro, longest, t.row_tokens,
+                                             trainer.batch_shards)
+  page = eng.pool.page_size
+  return Shapes(samples=samples, longest=longest,
+                completion_len=completion_bucket(r.max_new_tokens), rows=rows,
+                sequences=sequences,
+                num_slots=shard_count(eng.num_slots, layout.data_shards, eng.group_slots),
+                table_pages=cdiv(min(eng.max_seq_len or longest, longest), page),
+                page_size=page, prefill_rows=eng.prefill_rows,
+                prefill_width=min(eng.prefill_chunk, exp.prompts.max_prompt_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """Every compiled program of one step, per device, and what they were built from."""
+
+  model: ModelConfig
+  meshes: Meshes
+  shapes: Shapes
+  train: TrainStepMemory
+  prefill: CompiledMemory
+  decode: CompiledMemory  # one call of `decode_steps` steps
+  decode_steps: int
+  sync: CompiledMemory
+  rollout_weight_bytes: int
+  sync_bytes: int
+
+
+def compile_programs(exp, devices, largest: int = 5) -> Programs:
+  """Compiles the run's programs over `devices` (abstract TPU chips or real devices)."""
+  cfg = model_config(exp)
+  meshes = build_meshes(exp.placement, devices)
+  trainer = Trainer(cfg, exp.trainer, mesh=meshes.trainer)
+  layout = RolloutLayout.build(cfg, meshes.rollout)
+  s = shapes(exp, trainer, layout)
+  train = memory.train_step_memory(cfg, exp.trainer, meshes.trainer, rows=s.rows,
+                                   completion_len=s.completion_len,
+                                   micro_batches=exp.trainer.micro_batches,
+                                   sequences=s.sequences, largest=largest,
+                                   reference_dtype=exp.reference.dtype)
+  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  wdt = exp.sync.rollout_dtype
+  pages = 1 + (s.num_slots // layout.data_shards) * s.table_pages  # the sink page too
+  params, pool, state = memory._decode_operands(cfg, s.num_slots, pages, s.page_size,
+                                                s.table_pages, kv_dtype, wdt,
+                                                exp.rollout.engine.max_stop_ids,
+                                                meshes.rollout, layout)
+  steps = exp.rollout.engine.decode_steps
+  decode = compiled_memory(memory._lower_decode(cfg, params, pool, state, steps,
+                                                layout).compile())
+  prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile())
+  sync, sync_bytes = _compile_sync(exp, cfg, meshes)
+  return Programs(model=cfg, meshes=meshes, shapes=s, train=train, prefill=prefill,
+                  decode=decode, decode_steps=steps, sync=sync,
+                  rollout_weight_bytes=memory.device_bytes(params), sync_bytes=sync_bytes)
+
+
+def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLayout):
+  """One packed prefill call: R rows of W tokens per data shard, each row reading the
+  key pages of its chunks (at most its own pages plus one chunk's overhang)."""
+  from jaxrl_post.rollout.engine import _prefill
+  from jaxrl_post.rollout.prefill_pack import PackedRows
+
+  rows = layout.data_shards * s.prefill_rows
+  key_pages = cdiv(s.prefill_width, s.page_size) + 1
+  grid = lambda width: jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=layout.rows(2))
+  packed = PackedRows(tokens=grid(s.prefill_width), positions=grid(s.prefill_width),
+                      segments=grid(s.prefill_width), write_pages=grid(s.prefill_width),
+                      key_pages=grid(key_pages), key_segments=grid(key_pages),
+                      key_starts=grid(key_pages))
+  last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=layout.replicated)
+  return _prefill.lower(params, pool, packed, last, cfg=cfg, layout=layout)
+
+
+def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes) -> tuple[CompiledMemory, int]:
+  """The weight sync's program and the bytes it moves (only adapters with LoRA)."""
+  model = abstract_model(cfg)
+  shapes_ = params_of(model)
+  axes = logical_axes(model)
+  if cfg.lora is not None:
+    sync = PartialSync(meshes, axes, shapes_, exp.sync, moves=is_adapter)
+    inner, tree = sync._moving, sync.moving(shapes_)
+  else:
+    inner, tree = WeightSync(meshes, axes, shapes_, exp.sync), shapes_
+  train = _placed(tree, inner.train_shardings)
+  dtype = jnp.dtype(exp.sync.rollout_dtype)
+  if meshes.colocated:
+    rollout = _placed(tree, inner.rollout_shardings, dtype)
+    lowered = inner._sync.lower(train, rollout)
+  else:
+    lowered = inner._first.lower(train)
+  return compiled_memory(lowered.compile()), inner.bytes_per_sync
+
+
+def _placed(tree, shardings, dtype=None):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def local_chip_memory(devices) -> Optional[int]:
+  """Bytes a local device holds (memory_stats), None where the backend does not say."""
+  try:
+    stats = devices[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001  (abstract and CPU devices may raise or return None)
+    return None
+  return stats.get("bytes_limit")
+

@@ -1,0 +1,206 @@
+"""The plan's verdict: memory per device, predicted seconds per role, bytes on the wire.
+
+Every figure is per device. Times are rooflines: a program takes at least its FLOPs over
+the chip's peak and at least its memory bytes over the HBM bandwidth (plan.hlo_cost counts
+both with loops at their trip counts), and its collective bytes cross the chip-to-chip
+links; the prediction is the larger of the first two plus the third. Measured steps run
+slower by what the roofline leaves out (launch gaps, host work, imperfect overlap), which
+docs/BENCHMARKS.md records against real runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from jaxrl_post.plan.memory import GB, CompiledMemory
+from jaxrl_post.plan.programs import Programs
+from jaxrl_post.plan.targets import Chip, Target
+
+PAYLOAD_BYTES_PER_TOKEN = 12  # token id, behaviour logprob, weight version (4 bytes each)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  target: str
+  devices: int
+  compiled_for: str
+  chip: dict
+  fits: bool
+  peak_gb_per_device: float
+  memory_gb: dict  # program -> {argument, temp, output, alias, peak}
+  resident_gb: dict  # train_state, reference, rollout_weights, kv_pool
+  kv_pages: int
+  kv_tokens: int
+  kv_tokens_needed: int
+  attention_backends: dict  # program -> implementation
+  predicted_s: dict  # prefill, decode, train, sync, step
+  flops: dict  # program -> FLOPs per device per step
+  hbm_bytes: dict  # program -> memory bytes per device per step
+  sync_bytes: int
+  grad_bytes_per_rank: int
+  rollout_payload_bytes: int
+  decode_bytes_vs_floor: float
+  largest_buffers: list
+  notes: list
+
+  def as_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _seconds(mem: CompiledMemory, chip: Chip, calls: float) -> float:
+  cost = mem.cost
+  compute = cost.flops / chip.bf16_flops_per_s
+  traffic = cost.bytes / chip.hbm_bytes_per_s
+  return calls * (max(compute, traffic) + cost.collective_bytes / chip.link_bytes_per_s)
+
+
+def _backend(mem: CompiledMemory, fallback: str) -> str:
+  attention = [k for k in mem.kernels if "attention" in k or "splash" in k or "mha" in k]
+  return ", ".join(attention) if attention else fallback
+
+
+def build(programs: Programs, target: Target, chip: Chip, exp,
+          devices: int, memory_fraction: float = 0.9) -> Plan:
+  """The Plan of compiled `programs` on `chip` (per device: a chip or a share of one)."""
+  p, s, cfg = programs, programs.shapes, programs.model
+  capacity = chip.hbm_bytes
+  train = p.train
+  state = train.params_bytes + train.frozen_bytes + train.opt_state_bytes
+  resident_train = state + train.reference_bytes
+  data_shards = p.meshes.rollout.shape["data"]
+  tensor = p.meshes.rollout.shape["tensor"]
+  kv_heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else cfg.num_kv_heads
+  kv_per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * _itemsize(
+      exp.rollout.engine.kv_dtype or cfg.compute_dtype)
+  slots_per_shard = s.num_slots // data_shards
+  kv_needed_tokens = slots_per_shard * s.table_pages * s.page_size
+  colocated = p.meshes.colocated
+  beside = (train.peak_bytes if colocated else 0) + p.rollout_weight_bytes
+  left = capacity - beside
+  kv_budget = int(memory_fraction * max(left, 0))
+  kv_pages = kv_budget // (s.page_size * kv_per_token) if kv_per_token else 0
+  kv_bytes = (kv_needed_tokens + s.page_size) * kv_per_token
+  other = resident_train if colocated else 0
+  phases = {
+      "train": train.peak_bytes + (p.rollout_weight_bytes + kv_bytes if colocated else 0),
+      "prefill": p.prefill.peak_bytes + other,
+      "decode": p.decode.peak_bytes + other,
+      "sync": p.sync.peak_bytes + (train.opt_state_bytes + train.reference_bytes + kv_bytes
+                                   if colocated else 0),
+  }
+  peak = max(phases.values())
+  fits = peak <= capacity and kv_pages * s.page_size >= kv_needed_tokens
+
+  r = exp.rollout
+  rounds = math.ceil(s.samples / s.num_slots)
+  decode_calls = rounds * math.ceil(r.max_new_tokens / p.decode_steps)
+  prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
+  prefill_calls = math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width))
+  minibatches = exp.trainer.minibatches
+  predicted = {
+      "prefill": _seconds(p.prefill, chip, prefill_calls),
+      "decode": _seconds(p.decode, chip, decode_calls),
+      "train": _seconds(train.compiled, chip, minibatches),
+      "sync": _seconds(p.sync, chip, 1.0 / exp.sync.every_n_steps),
+  }
+  predicted["step"] = sum(predicted.values())
+  step_bytes = p.decode.cost.bytes / p.decode_steps
+  floor = p.rollout_weight_bytes + slots_per_shard * s.table_pages * s.page_size * kv_per_token
+  largest = [] if fits else [{"bytes": a.bytes, "values": a.values} for a in train.largest[:5]]
+  gb = lambda x: round(x / GB, 3)
+  return Plan(
+      target=target.name, devices=devices, compiled_for=target.compiled_for,
+      chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
+      memory_gb={name: _memory(mem) for name, mem in (
+          ("train", train.compiled), ("prefill", p.prefill), ("decode", p.decode),
+          ("sync", p.sync))},
+      resident_gb={"train_state": gb(state), "reference": gb(train.reference_bytes),
+                   "rollout_weights": gb(p.rollout_weight_bytes), "kv_pool": gb(kv_bytes),
+                   "peak_by_phase": {k: gb(v) for k, v in phases.items()}},
+      kv_pages=int(kv_pages), kv_tokens=int(kv_pages * s.page_size),
+      kv_tokens_needed=int(kv_needed_tokens),
+      attention_backends={
+          "train": _backend(train.compiled, "masked softmax (jnp)"),
+          "prefill": _backend(p.prefill, "paged gather (jnp)"),
+          "decode": _backend(p.decode, "paged gather (jnp)")},
+      predicted_s={k: round(v, 4) for k, v in predicted.items()},
+      flops={"prefill": p.prefill.cost.flops * prefill_calls,
+             "decode": p.decode.cost.flops * decode_calls,
+             "train": train.compiled.cost.flops * minibatches},
+      hbm_bytes={"prefill": p.prefill.cost.bytes * prefill_calls,
+                 "decode": p.decode.cost.bytes * decode_calls,
+                 "train": train.compiled.cost.bytes * minibatches,
+                 "sync": p.sync.cost.bytes},
+      sync_bytes=int(p.sync_bytes),
+      grad_bytes_per_rank=int(train.compiled.cost.collective_bytes * minibatches),
+      rollout_payload_bytes=int(s.samples * r.max_new_tokens * PAYLOAD_BYTES_PER_TOKEN),
+      decode_bytes_vs_floor=round(step_bytes / floor, 3) if floor else 0.0,
+      largest_buffers=largest,
+      notes=_notes(p, target))
+
+
+def _memory(mem: CompiledMemory) -> dict:
+  gb = lambda x: round(x / GB, 3)
+  return {"argument": gb(mem.argument_bytes), "temp": gb(mem.temp_bytes),
+          "output": gb(mem.output_bytes), "alias": gb(mem.alias_bytes),
+          "peak": gb(mem.peak_bytes)}
+
+
+def _notes(p: Programs, target: Target) -> list:
+  notes = []
+  if target.compiled_for != "target":
+    notes.append(f"programs compiled for the {target.compiled_for}; memory and peaks are "
+                 f"the {target.chip.name}'s")
+  for name, mem in (("train", p.train.compiled), ("prefill", p.prefill), ("decode", p.decode)):
+    if mem.cost.unknown_loops:
+      notes.append(f"{name}: {len(mem.cost.unknown_loops)} loop(s) without a constant trip "
+                   "count were counted once")
+  return notes
+
+
+def _itemsize(dtype: str) -> int:
+  return {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 2)
+
+
+def text(plan: Plan) -> str:
+  """The human-readable report."""
+  lines = [f"plan for {plan.target}: {plan.devices} device(s), compiled for "
+           f"{plan.compiled_for}",
+           f"verdict: {'fits' if plan.fits else 'does NOT fit'}: peak "
+           f"{plan.peak_gb_per_device:.2f} GB of {plan.chip['hbm_bytes'] / GB:.1f} GB per device",
+           "memory per program (GB per device):"]
+  for name, m in plan.memory_gb.items():
+    lines.append(f"  {name:8s} args {m['argument']:8.3f}  temp {m['temp']:8.3f}  "
+                 f"out {m['output']:8.3f}  alias {m['alias']:8.3f}  peak {m['peak']:8.3f}")
+  r = plan.resident_gb
+  lines.append(f"resident: train state {r['train_state']:.2f} GB, reference "
+               f"{r['reference']:.2f} GB, rollout weights {r['rollout_weights']:.2f} GB, "
+               f"KV pool {r['kv_pool']:.2f} GB")
+  lines.append(f"kv: {plan.kv_pages} pages ({plan.kv_tokens} tokens) fit per data shard; "
+               f"the slots need {plan.kv_tokens_needed} tokens")
+  lines.append("attention: " + "; ".join(f"{k}: {v}" for k, v in
+                                          plan.attention_backends.items()))
+  t = plan.predicted_s
+  lines.append(f"predicted step {t['step']:.3f} s = prefill {t['prefill']:.3f} + decode "
+               f"{t['decode']:.3f} + train {t['train']:.3f} + sync {t['sync']:.3f}")
+  lines.append(f"wire per step: sync {plan.sync_bytes / GB:.3f} GB, gradient collectives "
+               f"{plan.grad_bytes_per_rank / GB:.3f} GB per rank, rollout payload "
+               f"{plan.rollout_payload_bytes / 1e6:.2f} MB")
+  lines.append(f"decode bytes vs floor: {plan.decode_bytes_vs_floor:.2f}")
+  for buf in plan.largest_buffers:
+    lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
+  lines.extend(f"note: {n}" for n in plan.notes)
+  return "\n".join(lines)
+
+
+def local_chip(devices, measured_flops: float, measured_bw: float,
+               capacity: Optional[float]) -> Chip:
+  """The local devices as a Chip: peaks measured on them, capacity from memory_stats
+  (host memory where the backend reports none)."""
+  import os
+  cap = capacity or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(devices)
+  return Chip(name=f"local {devices[0].device_kind}", platform=devices[0].platform,
+              hbm_bytes=float(cap), hbm_bytes_per_s=measured_bw,
+              bf16_flops_per_s=measured_flops, link_bytes_per_s=measured_bw)
