@@ -5,6 +5,8 @@
   --model NAME_OR_PATH      or a model: embedded name, GGUF file, Hugging Face directory
                             (default: the config's ModelSpec, as a run starts from it)
   --json                    print the metrics as one JSON object
+  --compilation_cache=PATH|off
+                            persistent XLA compilation cache (default: ~/.cache/jaxrl_post/xla)
 
 The evaluation is the run's own: the same held-out problems, prompt encoding, greedy decode
 on the rollout engine over the rollout mesh in SyncConfig.rollout_dtype, and verifier, so
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import sys
 
+from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
 
 
@@ -30,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   p.add_argument("--model", default=None, help="embedded name, GGUF file or HF directory")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  compile_cache.add_cache_flag(p)
   return p.parse_args(argv)
 
 
@@ -94,6 +98,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compile_cache.enable(args.compilation_cache)
   try:
     metrics = run(args)
   except UserError as e:

@@ -9,6 +9,8 @@
                      the chat template), generation_config.json
   --dtype            stored weights: float32 (default, what training keeps), bfloat16, float16
   --max-shard-size   e.g. 5GB (default), 200MB
+  --compilation_cache=PATH|off
+                     persistent XLA compilation cache (default: ~/.cache/jaxrl_post/xla)
 
 LoRA adapters are merged into the base weights, so the directory loads in transformers
 (AutoModelForCausalLM.from_pretrained) and in our own loader (--model DIR) alike. A mistake
@@ -21,6 +23,7 @@ import argparse
 import os
 import sys
 
+from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
 
 
@@ -32,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", required=True, help="output directory")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
   p.add_argument("--max-shard-size", default="5GB", help="split weights above this size")
+  compile_cache.add_cache_flag(p)
   return p.parse_args(argv)
 
 
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compile_cache.enable(args.compilation_cache)
   try:
     result = run(args)
   except UserError as e:

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                  help="compute dtype (auto: float32 on CPU, bfloat16 on accelerators)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  compile_cache.add_cache_flag(p)
   return p.parse_args(argv)
 
 
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compile_cache.enable(args.compilation_cache)
   try:
     result = run(args)
   except UserError as e:

@@ -3,6 +3,9 @@
   --gin_file=FILE       gin config (repeatable; later files override earlier ones)
   --gin_param=BINDING   one binding, e.g. --gin_param='Experiment.steps = 50' (repeatable)
   --workdir=DIR         checkpoints, metrics.jsonl, TensorBoard events, the resolved config
+  --compilation_cache=PATH|off
+                        persistent XLA compilation cache (default: $JAXRL_COMPILATION_CACHE,
+                        else ~/.cache/jaxrl_post/xla), so a resume compiles nothing again
 
 Multi-host (one process per host, every process runs the same command):
   --coordinator_address=HOST:PORT --num_processes=N --process_id=I
@@ -26,6 +29,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
 
 
@@ -41,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0")
   p.add_argument("--num_processes", type=int, default=None)
   p.add_argument("--process_id", type=int, default=None)
+  compile_cache.add_cache_flag(p)
   return p
 
 
@@ -87,6 +92,7 @@ def prepare(argv: Sequence[str]):
   from jaxrl_post.pipeline import config
 
   args = _parser().parse_args(argv)
+  compile_cache.enable(args.compilation_cache)
   start_distributed(args)
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")

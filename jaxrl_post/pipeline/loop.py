@@ -355,7 +355,7 @@ def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter,
   show = exp.logging.progress and jax.process_index() == 0
   bar = ProgressBar(exp.steps, progress.step) if show else None
   timer = StepTimer()
-  seen = compiles.total
+  seen, loaded = compiles.total, compiles.cache_hits
   for step in range(progress.step + 1, exp.steps + 1):
     timer.start()
     metrics = run_.step(step, timer)
@@ -365,7 +365,9 @@ def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter,
       metrics.update(_evaluate(run_, progress))
     metrics.update(_counters(run_))
     before, seen = seen, compiles.total
-    metrics.update({"compile/programs": seen, "compile/new_programs": seen - before})
+    loaded_before, loaded = loaded, compiles.cache_hits
+    metrics.update({"compile/programs": seen, "compile/new_programs": seen - before,
+                    "compile/cached_programs": loaded - loaded_before})
     writer.write(step, metrics)
     if bar:
       bar.update(step, metrics["reward/mean"], metrics["rollout/tokens_per_s"])

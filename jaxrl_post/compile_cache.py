@@ -1,0 +1,97 @@
+"""The persistent XLA compilation cache every command turns on before it compiles anything.
+
+A run compiles the same programs each time it starts (a resume, a second seed, an
+evaluation of the same config): jax's persistent cache stores each compiled executable on
+disk under a key of the program, devices, compiler flags and jax version, so a later
+process loads it instead of compiling. Processes on one machine, and hosts on a shared
+filesystem, may use one directory: a key covers everything the executable depends on.
+
+Where the cache lives, first match wins:
+  1. the command's flag  `--compilation_cache=PATH|off`
+  2. the environment     `JAXRL_COMPILATION_CACHE=PATH|off` ("0" or empty also mean off)
+  3. jax's own           `JAX_COMPILATION_CACHE_DIR=PATH`, for whoever already set it
+  4. the default         `$XDG_CACHE_HOME/jaxrl_post/xla` (`~/.cache/jaxrl_post/xla`)
+
+Every program is stored, however small or quick to compile, so that a second run of the
+same config compiles nothing; jax's own `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and
+`JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES`, when set, are kept instead. The directory
+grows without bound unless `JAX_COMPILATION_CACHE_MAX_SIZE` (bytes) is set; deleting it
+is always safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+ENV = "JAXRL_COMPILATION_CACHE"
+_OFF = ("off", "0", "")
+# jax reads these environment variables itself; set, they are the user's choice to keep.
+_JAX_DIR = "JAX_COMPILATION_CACHE_DIR"
+_JAX_THRESHOLDS = {
+    "jax_persistent_cache_min_compile_time_secs": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "jax_persistent_cache_min_entry_size_bytes": "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+}
+
+
+def default_dir() -> str:
+  """The per-user cache directory: $XDG_CACHE_HOME/jaxrl_post/xla, else ~/.cache/..."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxrl_post", "xla")
+
+
+def resolve(flag: Optional[str] = None) -> Optional[str]:
+  """The cache directory a command uses given its flag's value (None: not given), or None
+  when the cache is turned off."""
+  for setting in (flag, os.environ.get(ENV)):
+    if setting is not None:
+      return None if setting.strip().lower() in _OFF else os.path.expanduser(setting)
+  return os.environ.get(_JAX_DIR) or default_dir()
+
+
+def add_cache_flag(parser: argparse.ArgumentParser) -> None:
+  """Adds `--compilation_cache=PATH|off` to a command; pass its value to `enable`."""
+  parser.add_argument(
+      "--compilation_cache", default=None, metavar="PATH|off",
+      help=f"persistent XLA compilation cache directory, or off (default: ${ENV}, "
+           f"else {default_dir()})")
+
+
+def enable(flag: Optional[str] = None) -> Optional[str]:
+  """Turns jax's persistent compilation cache on (or off) for this process; returns the
+  directory in use, or None. `flag` is the `--compilation_cache` value (None: not given).
+  Call it before the first compilation; calling it again re-points the cache."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  path = resolve(flag)
+  if path is not None and not _usable(path):
+    path = None
+  jax.config.update("jax_enable_compilation_cache", path is not None)
+  if path is not None:
+    jax.config.update("jax_compilation_cache_dir", path)
+    for option, env in _JAX_THRESHOLDS.items():
+      if env not in os.environ:
+        jax.config.update(option, 0)
+  compilation_cache.reset_cache()  # The cache decides once whether it is in use.
+  return path
+
+
+def _usable(path: str) -> bool:
+  """Whether the directory exists or can be made, and is writable; if not, says so in one
+  line and the command goes on compiling without a cache (it is only a speed-up)."""
+  if "://" in path:  # A remote store (gs://...): jax opens it itself.
+    return True
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    reason = e.strerror or str(e)
+  else:
+    if os.access(path, os.W_OK | os.X_OK):
+      return True
+    reason = "not writable"
+  print(f"warning: compilation cache {path}: {reason}; compiling without a cache "
+        f"(--compilation_cache=off or {ENV}=off silences this)", file=sys.stderr)
+  return False

@@ -1,0 +1,142 @@
+"""The persistent compilation cache: where it lives, and that a second run compiles nothing."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from jaxrl_post import compile_cache
+from jaxrl_post.pipeline.compiles import CompileCounter
+from jaxrl_post.telemetry import read_metrics
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+_JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+_OPTIONS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+            "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  """No cache settings from the surroundings (the test suite sets jax's own)."""
+  for name in (compile_cache.ENV, "XDG_CACHE_HOME") + _JAX_ENV:
+    monkeypatch.delenv(name, raising=False)
+  return monkeypatch
+
+
+@pytest.fixture
+def restore_jax_cache():
+  """This process's cache settings as they were, for the tests that run after."""
+  saved = {name: getattr(jax.config, name) for name in _OPTIONS}
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  jax_cache.reset_cache()
+
+
+def test_flag_wins_over_environment_which_wins_over_the_default(clean_env, tmp_path):
+  clean_env.setenv("HOME", str(tmp_path / "home"))
+  assert compile_cache.resolve() == str(tmp_path / "home" / ".cache" / "jaxrl_post" / "xla")
+  clean_env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache.resolve() == str(tmp_path / "xdg" / "jaxrl_post" / "xla")
+  clean_env.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+  assert compile_cache.resolve() == str(tmp_path / "jax")
+  clean_env.setenv(compile_cache.ENV, str(tmp_path / "env"))
+  assert compile_cache.resolve() == str(tmp_path / "env")
+  assert compile_cache.resolve(str(tmp_path / "flag")) == str(tmp_path / "flag")
+  assert compile_cache.resolve("off") is None
+  for off in ("off", "OFF", "0", ""):
+    clean_env.setenv(compile_cache.ENV, off)
+    assert compile_cache.resolve() is None
+    assert compile_cache.resolve(str(tmp_path / "flag")) == str(tmp_path / "flag")
+
+
+def test_enable_points_jax_at_the_directory_and_off_turns_it_off(
+    clean_env, restore_jax_cache, tmp_path):
+  path = str(tmp_path / "made" / "here")
+  assert compile_cache.enable(path) == path and os.path.isdir(path)
+  assert jax.config.jax_enable_compilation_cache
+  assert jax.config.jax_compilation_cache_dir == path
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  assert compile_cache.enable("off") is None
+  assert not jax.config.jax_enable_compilation_cache
+
+
+def test_jax_thresholds_set_by_the_user_are_kept(clean_env, restore_jax_cache, tmp_path):
+  clean_env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  compile_cache.enable(str(tmp_path))
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+
+
+def test_an_unwritable_directory_warns_and_compiles_without_a_cache(
+    clean_env, restore_jax_cache, tmp_path, capsys):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  assert compile_cache.enable(str(blocker / "xla")) is None
+  err = capsys.readouterr().err
+  assert err.startswith(f"warning: compilation cache {blocker / 'xla'}: ") and err.count("\n") == 1
+  assert not jax.config.jax_enable_compilation_cache
+
+
+def test_a_program_loaded_from_the_cache_is_not_counted_as_compiled(
+    clean_env, restore_jax_cache, tmp_path):
+  compile_cache.enable(str(tmp_path))
+  f = jax.jit(lambda x: jnp.cumsum(x * 3.0 + 1.0) - 7.0)
+  x = np.arange(5, dtype=np.float32)
+  with CompileCounter() as first:
+    f(x).block_until_ready()
+  assert (first.total, first.cache_hits) == (1, 0)
+  jax.clear_caches()  # Forget the executable in memory, as a new process would not have it.
+  with CompileCounter() as second:
+    np.testing.assert_allclose(f(x), np.cumsum(x * 3 + 1) - 7)
+  assert (second.total, second.cache_hits, second.seconds) == (0, 1, 0.0)
+
+
+# The quickstart shrunk to seconds (tests/pipeline/test_train.py's shapes): no warm-up, two
+# RL steps.
+_FAST = ["Experiment.steps = 2", "SftConfig.steps = 0", "EvalSpec.every_n_steps = 2",
+         "EvalSpec.num_problems = 16", "RolloutSpec.prompts_per_step = 4",
+         "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
+         "EngineConfig.group_slots = 4", "CheckpointConfig.every_n_steps = 1",
+         "PlacementConfig.num_devices = 1", "OptimizerConfig.total_steps = 10",
+         "LogSpec.progress = False"]
+
+
+def _train(workdir, env, extra=()):
+  argv = [sys.executable, "-m", "jaxrl_post.train",
+          f"--gin_file={os.path.join(ROOT, 'configs', 'quickstart.gin')}",
+          f"--workdir={workdir}", *[f"--gin_param={p}" for p in _FAST], *extra]
+  subprocess.run(argv, env=env, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+  return read_metrics(os.path.join(workdir, "metrics.jsonl"))
+
+
+def test_a_second_run_and_its_resume_compile_nothing_the_first_compiled(tmp_path):
+  cache = tmp_path / "xla"
+  env = {k: v for k, v in os.environ.items() if k not in _JAX_ENV}
+  longer = ["--gin_param=Experiment.steps = 3"]
+  # The first run, then resumed for a third step. Its flag wins over an environment that
+  # turns the cache off.
+  flag = dict(env, **{compile_cache.ENV: "off"}), [f"--compilation_cache={cache}"]
+  _train(tmp_path / "a", flag[0], flag[1])
+  first = _train(tmp_path / "a", flag[0], flag[1] + longer)
+  assert first[1]["compile/new_programs"] > 0 and first[1]["compile/cached_programs"] == 0
+  assert os.listdir(cache)
+  # The same two commands in a new workdir, the cache from the environment: every program
+  # comes from disk.
+  env[compile_cache.ENV] = str(cache)
+  second = _train(tmp_path / "b", env)
+  assert [r["step"] for r in second] == [0, 1, 2]
+  assert [r["compile/new_programs"] for r in second[1:]] == [0, 0]
+  resumed = _train(tmp_path / "b", env, longer)
+  assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+  assert [r["compile/new_programs"] for r in resumed[1:]] == [0, 0, 0]
+  # What the first run's processes compiled or loaded, step by step, this one loaded.
+  assert ([r["compile/cached_programs"] for r in resumed[1:]] ==
+          [r["compile/new_programs"] + r["compile/cached_programs"] for r in first[1:]])
