@@ -10,6 +10,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# libtpu (the `tpu` extra) compiles for abstract TPU slices on this CPU host: let the
+# test processes load it side by side, without looking for TPU hardware or metadata.
+from jaxrl_post.plan.targets import compile_only_tpu_env  # noqa: E402  (read when jax starts)
+
+compile_only_tpu_env()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402

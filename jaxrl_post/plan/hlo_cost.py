@@ -318,15 +318,20 @@ _KERNEL_CALLS = {"tpu_custom_call": "mosaic", "__gpu$xla.gpu.triton": "triton"}
 
 def kernels_in(hlo_text: str) -> tuple[str, ...]:
   """The Pallas kernels a compiled program calls, as "name lowering" ("paged_attention
-  mosaic"): the kernel's name is the op_name component before its pallas_call."""
+  mosaic", "splash_mha_fwd mosaic"): the op_name component before the kernel's
+  pallas_call, else the instruction's own name (which XLA takes from the kernel)."""
   found = set()
   for line in hlo_text.splitlines():
     target = re.search(r'custom_call_target="([^"]+)"', line)
     if not target or target.group(1) not in _KERNEL_CALLS:
       continue
     op_name = re.search(r'op_name="([^"]+)"', line)
-    parts = op_name.group(1).split("/") if op_name else ["kernel"]
-    name = parts[parts.index("pallas_call") - 1] if "pallas_call" in parts[1:] else parts[-1]
+    parts = op_name.group(1).split("/") if op_name else []
+    if "pallas_call" in parts[1:]:
+      name = parts[parts.index("pallas_call") - 1]
+    else:
+      name = re.match(r"\s*(?:ROOT\s+)?%([\w\-]+?)(?:\.\d+)*\s", line).group(1)
+      name = re.sub(r"_(segmented|no_residuals|residuals)", "", name)
     name = re.sub(r"_(mosaic|triton)$", "", name)
     found.add(f"{name} {_KERNEL_CALLS[target.group(1)]}")
   return tuple(sorted(found))

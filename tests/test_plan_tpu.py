@@ -1,0 +1,105 @@
+"""The run's programs compiled by the real XLA:TPU and Mosaic compilers (libtpu's
+compile-only topology, v5e 2x2) from this CPU host, with the Pallas kernels inside them:
+a lowering break in a kernel or in the programs around it fails here the day it is made.
+Also the plan's cost walker (loops by trip count) and its targets."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrl_post import plan
+from jaxrl_post.models import preset
+from jaxrl_post.plan import hlo_cost, report, targets
+from jaxrl_post.rl.trainer import TrainerConfig
+from jaxrl_post.sharding import MeshConfig, make_mesh
+from tests.tpu import tpu_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = preset("tiny", remat="full")
+
+
+def test_train_step_compiles_for_tpu_with_the_splash_kernel_inside_shard_map():
+  mesh = make_mesh(MeshConfig(fsdp=-1), tpu_devices("v5e:2x2"))
+  # Rows longer than TrainingAttention.plain_max_len take the kernel path.
+  m = plan.train_step_memory(CFG, TrainerConfig(row_tokens=1024), mesh, rows=4,
+                             completion_len=256)
+  assert any(k.endswith("mosaic") for k in m.compiled.kernels), m.compiled.kernels
+  assert m.compiled.cost.flops > 0 and m.peak_bytes > 0
+
+
+def test_decode_loop_compiles_for_tpu_with_the_paged_mosaic_kernel():
+  mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=1), tpu_devices("v5e:2x2"))
+  m = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, mesh=mesh, steps=4)
+  assert "paged_attention mosaic" in m.kernels
+  # The same program traced over CPU devices keeps the jnp path: the mesh decides.
+  cpu = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, steps=4,
+                                mesh=make_mesh(MeshConfig(data=2, tensor=2, fsdp=1),
+                                               jax.devices()[:4]))
+  assert cpu.kernels == ()
+
+
+def test_cost_walker_counts_scanned_layers_by_their_trip_count():
+  def layers(w, x):
+    return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+
+  for n in (3, 6):
+    w = jax.ShapeDtypeStruct((n, 128, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    cost = hlo_cost.program_cost(jax.jit(layers).lower(w, x).compile().as_text())
+    assert cost.flops == n * 2 * 16 * 128 * 128  # XLA's cost_analysis counts one layer
+    assert cost.unknown_loops == []
+    assert cost.bytes >= n * 128 * 128 * 4  # every layer's weights are read
+
+
+def test_targets_name_the_published_slices():
+  v5p = targets.resolve("v5p-8")
+  assert (v5p.chips, v5p.topology, v5p.platform) == (4, "v5p:2x2x1", "tpu")
+  assert targets.resolve("v5e-8").topology == "v5e:2x4"
+  assert targets.resolve("h100x8").compiled_for.startswith("host backend")
+  with pytest.raises(Exception, match="unknown target 'v7-9'"):
+    targets.resolve("v7-9")
+  assert len(targets.target_devices(targets.resolve("v6e-4"))) == 4
+
+
+def _plan_cli(*args):
+  env = dict(os.environ, JAXRL_COMPILATION_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                                 "off"))
+  return subprocess.run([sys.executable, "-m", "jaxrl_post.plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_plan_cli_on_the_quickstart_prints_a_json_verdict():
+  out = _plan_cli("--gin_file=configs/quickstart.gin", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads(out.stdout)
+  for key in ("target", "devices", "fits", "peak_gb_per_device", "kv_tokens",
+              "attention_backends", "predicted_s", "sync_bytes", "grad_bytes_per_rank",
+              "rollout_payload_bytes", "decode_bytes_vs_floor"):
+    assert key in result
+  assert result["fits"] is True and result["target"] == "local"
+  assert set(result["predicted_s"]) == {"prefill", "decode", "train", "sync", "step"}
+  assert result["predicted_s"]["step"] > 0 and result["kv_tokens"] > 0
+  assert result["rollout_payload_bytes"] == 32 * 8 * 4 * 12  # samples x tokens x 12 bytes
+
+
+def test_plan_cli_errors_are_one_line():
+  out = _plan_cli("--gin_file=configs/quickstart.gin", "--target=v9-1")
+  assert out.returncode == 2 and out.stderr.strip().startswith("error: plan: unknown target")
+
+
+def test_a_plan_that_does_not_fit_says_so_and_lists_the_largest_buffers():
+  from jaxrl_post.pipeline import config
+  from jaxrl_post.plan import programs
+
+  config.parse([os.path.join(ROOT, "configs/quickstart.gin")], [])
+  exp = config.build_experiment()
+  compiled = programs.compile_programs(exp, jax.devices()[:1])
+  small = targets.Chip("small", "tpu", 1e6, 1e11, 1e13, 1e10)
+  verdict = report.build(compiled, targets.Target("small", small, 1), small, exp, 1)
+  assert verdict.fits is False and verdict.largest_buffers
+  assert "does NOT fit" in report.text(verdict)
