@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from jaxrl_post import models
+from jaxrl_post import generate, models
 from jaxrl_post.models.decode import generate_dense
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -71,3 +72,104 @@ def test_too_long_prompt_is_one_line_error():
   assert proc.returncode == 2, proc.stderr
   assert "exceeds the model's context of 256 tokens" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ --prompts (batch)
+
+
+def _write_lines(path, lines):
+  path.write_text("".join(line + "\n" for line in lines))
+  return str(path)
+
+
+def _read_rows(path):
+  return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_batch_greedy_matches_transformers_and_skips_bad_rows(tmp_path):
+  fx = np.load(os.path.join(FIXTURES, "smollm2_gguf_hf.npz"))
+  texts, chat = json.loads(str(fx["texts"])), fx["chat"]
+  good = [json.dumps({"messages": [{"role": "user", "content": t}]} if c else {"prompt": t})
+          for t, c in zip(texts, chat)]
+  bad = ["{not json", json.dumps({"prompt": 7}), "[1, 2]", json.dumps({"messages": "hi"}),
+         json.dumps({"prompt": "word " * 9000})]  # The last is over the 8192-token context.
+  lines = good[:3] + bad[:2] + [""] + good[3:5] + bad[2:] + good[5:]
+  out = tmp_path / "out.jsonl"
+  proc = run_cli("--prompts", _write_lines(tmp_path / "in.jsonl", lines), "--out", str(out),
+                 "--n", "2", "--temperature", "0", "--max-new-tokens", "32")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == (
+      f"wrote 7 rows, 14 completions to {out}; skipped 5 rows (bad_messages=1, "
+      "invalid_json=1, missing_field=1, not_an_object=1, too_long=1)")
+  assert "completions 14/14" in proc.stderr
+  rows = _read_rows(out)
+  assert [r["line"] for r in rows] == [i + 1 for i, l in enumerate(lines) if l in good]
+  for i, row in enumerate(rows):  # Input order: the fixture's order.
+    assert row["prompt_token_ids"] == json.loads(str(fx["prompt_ids"]))[i]
+    assert ("messages" in row) == bool(chat[i]) and ("prompt" in row) != bool(chat[i])
+    hf = fx["greedy"][i].tolist()
+    want, reason = (hf[:hf.index(2) + 1], "stop") if 2 in hf else (hf, "length")
+    assert len(row["completions"]) == 2
+    for c in row["completions"]:
+      assert c["token_ids"] == want and c["finish_reason"] == reason, i
+      assert len(c["logprobs"]) == len(want) and all(lp <= 0 for lp in c["logprobs"])
+  assert {r["completions"][0]["finish_reason"] for r in rows} == {"stop", "length"}
+  assert "Paris" in rows[4]["completions"][0]["text"]
+
+
+def test_batch_sampling_draws_k_completions_per_row_seeded_by_its_line(tmp_path):
+  lines = [json.dumps({"prompt": "Once upon a time"}),
+           json.dumps({"question": "Once upon a time"})]
+  out = tmp_path / "out.jsonl"
+  proc = run_cli("--model", LLAMA_DIR, "--prompts", _write_lines(tmp_path / "in.jsonl", lines),
+                 "--out", str(out), "--n", "3", "--temperature", "1", "--max-new-tokens", "6",
+                 "--chat")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip().endswith("skipped 0 rows")
+  _, tok = models.load(LLAMA_DIR, compute_dtype="float32")
+  want_prompt = tok.encode_chat([{"role": "user", "content": "Once upon a time"}])
+  rows = _read_rows(out)
+  assert [(r["line"], r["prompt"]) for r in rows] == [(1, "Once upon a time"),
+                                                       (2, "Once upon a time")]
+  samples = []
+  for row in rows:
+    assert row["prompt_token_ids"] == want_prompt and len(row["completions"]) == 3
+    for c in row["completions"]:
+      n = len(c["token_ids"])
+      assert len(c["logprobs"]) == n and all(lp <= 0 for lp in c["logprobs"])
+      assert c["finish_reason"] == ("stop" if c["token_ids"][-1] in tok.stop_ids else "length")
+      assert n == 6 or c["finish_reason"] == "stop"
+      assert c["text"] == tok.decode(c["token_ids"], skip_special_tokens=True)
+      samples.append(tuple(c["token_ids"]))
+  # Six draws: the three of a row differ, and the two rows (seeds 0 and 1) differ.
+  assert len(set(samples)) == 6
+
+
+def test_batch_input_and_output_mistakes_are_one_line_errors(tmp_path):
+  proc = run_cli("--model", LLAMA_DIR, "--prompts", str(tmp_path / "missing.jsonl"),
+                 "--out", str(tmp_path / "out.jsonl"))
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file (--prompts)"
+
+
+@pytest.mark.parametrize("case", ["no_dir", "out_is_dir", "n_zero", "no_out", "all_bad", "json",
+                                  "n_without_prompts"])
+def test_batch_argument_mistakes_exit_2_with_one_line(case, tmp_path, capsys):
+  prompts = _write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
+  out = str(tmp_path / "out.jsonl")
+  argv, want = {
+      "no_dir": (["--out", str(tmp_path / "no" / "out.jsonl")], "does not exist (--out)"),
+      "out_is_dir": (["--out", str(tmp_path)], "is a directory; --out takes a file path"),
+      "n_zero": (["--out", out, "--n", "0"], "--n must be >= 1, got 0"),
+      "no_out": ([], "--prompts needs --out FILE.jsonl"),
+      "all_bad": (["--out", out], "no usable rows (invalid_json=1, missing_field=1)"),
+      "json": (["--out", out, "--json"], "--json is for --prompt"),
+      "n_without_prompts": (["--n", "2"], "--out and --n are for --prompts FILE.jsonl"),
+  }[case]
+  if case == "all_bad":
+    prompts = _write_lines(tmp_path / "in.jsonl", ["{", json.dumps({"prompt": ""})])
+  source = ["--prompt", "hi"] if case == "n_without_prompts" else ["--prompts", prompts]
+  assert generate.main(["--model", LLAMA_DIR, *source, *argv]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and want in err, err
+  assert not os.path.exists(out)

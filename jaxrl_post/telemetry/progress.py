@@ -55,7 +55,8 @@ class ProgressBar:
   """
 
   def __init__(self, total_steps: int, start_step: int = 0, stream: TextIO | None = None,
-               min_interval_s: float = 0.5, *, clock: Callable[[], float] = time.monotonic):
+               min_interval_s: float = 0.5, *, clock: Callable[[], float] = time.monotonic,
+               label: str = "step"):
     """Creates the bar; nothing is printed until the first `update`.
 
     Args:
@@ -65,6 +66,7 @@ class ProgressBar:
         runners or loggers is honoured) when None.
       min_interval_s: Minimum time between draws, so fast steps do not flood the output.
       clock: Monotonic clock in seconds; tests pass a fake one.
+      label: What is counted, shown before the count ("completions 3/40").
     """
     if total_steps < 0 or start_step < 0:
       raise ValueError(f"invalid progress range: start_step={start_step}, "
@@ -72,6 +74,7 @@ class ProgressBar:
     self.total_steps = total_steps
     self.start_step = start_step
     self.min_interval_s = min_interval_s
+    self.label = label
     self._stream = sys.stderr if stream is None else stream
     self._tty = _isatty(self._stream)
     self._clock = clock
@@ -132,7 +135,7 @@ class ProgressBar:
 
   def _render(self, step: int, reward: float | None, tokens_per_s: float | None,
               now: float) -> str:
-    parts = [f"step {step}/{self.total_steps}"]
+    parts = [f"{self.label} {step}/{self.total_steps}"]
     if reward is not None:
       parts.append(f"reward {reward:.3f}")
     if tokens_per_s is not None:

@@ -112,3 +112,10 @@ def test_tty_redraws_in_place_and_message_keeps_bar():
   step2 = next(seg for seg in segments if seg.startswith("step 2/3"))
   assert step2.rstrip() == "step 2/3  ETA 1s"
   assert len(step2) == len("step 1/3  reward 0.500  ETA 2s")
+
+
+def test_label_names_what_is_counted():
+  out = io.StringIO()
+  bar = ProgressBar(40, stream=out, clock=FakeClock(), label="completions")
+  bar.update(3)
+  assert out.getvalue().startswith("completions 3/40  ")
