@@ -25,10 +25,11 @@ def tpu_devices(topology: str) -> tuple:
 
 
 def tpu_mesh(topology: str, **shape: int) -> Mesh:
-  """A mesh over the topology's chips with the project's axes; unnamed axes are 1 and the
-  first of `shape` (default "data") takes what is left."""
+  """A mesh with the project's axes over the topology's first chips: `shape` names axis
+  sizes (unnamed axes are 1); with none, "data" spans every chip."""
   devices = tpu_devices(topology)
   sizes = {name: shape.get(name, 1) for name in AXES}
   if not shape:
     sizes["data"] = len(devices)
-  return Mesh(np.asarray(devices, dtype=object).reshape([sizes[a] for a in AXES]), AXES)
+  used = devices[:int(np.prod(list(sizes.values())))]
+  return Mesh(np.asarray(used, dtype=object).reshape([sizes[a] for a in AXES]), AXES)

@@ -23,7 +23,6 @@ last checkpoint are recomputed, not duplicated).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any, Optional
@@ -45,7 +44,7 @@ from jaxrl_post.pipeline.warmup import warm_up
 from jaxrl_post.rewards import VerifierPool
 from jaxrl_post.rl.advantages import sequence_advantages
 from jaxrl_post.rl.dapo import OverlongConfig, overlong_penalty
-from jaxrl_post.rl.packing import bucket, completion_bucket
+from jaxrl_post.rl.packing import completion_bucket
 from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_rollouts,
                                    rollout_batch_metrics)
 from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
@@ -172,24 +171,16 @@ class RLRun:
     if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
         or not self.meshes.colocated):
       return cfg
-    shards = self.trainer.batch_shards
-    step = plan.train_step_memory(self.model_cfg, exp.trainer, self.meshes.trainer,
-                                  rows=self._rows_bound(longest),
+    rows, sequences = plan.micro_batch_shape(self._per_micro(), longest,
+                                             exp.trainer.row_tokens, self.trainer.batch_shards)
+    step = plan.train_step_memory(self.model_cfg, exp.trainer, self.meshes.trainer, rows=rows,
                                   completion_len=completion_bucket(exp.rollout.max_new_tokens),
                                   micro_batches=exp.trainer.micro_batches,
-                                  sequences=shards * math.ceil(self._per_micro() / shards),
-                                  reference_dtype=exp.reference.dtype)
+                                  sequences=sequences, reference_dtype=exp.reference.dtype)
     budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
     self.log(f"kv pool: {budget / 1e9:.2f} GB per device beside a train step peaking at "
              f"{step.peak_bytes / 1e9:.2f} GB")
     return dataclasses.replace(cfg, pool=dataclasses.replace(pool, memory_bytes=budget))
-
-  def _rows_bound(self, longest: int) -> int:
-    """Packed rows of one micro-batch at worst: first-fit needs under twice the rows the
-    tokens fill, and never more than one per trajectory; bucketed like the trainer's."""
-    per_micro = self._per_micro()
-    filled = math.ceil(per_micro * longest / self.exp.trainer.row_tokens)
-    return bucket(min(per_micro, 2 * filled), self.trainer.batch_shards)
 
   def _per_micro(self) -> int:
     """Trajectories per micro-batch."""

@@ -68,7 +68,9 @@ def run(argv: Sequence[str]) -> int:
   target = targets.resolve(args.target)
   targets.compile_only_tpu_env()
   targets.host_device_flags(target)  # before jax starts its backends
-  compile_cache.enable(args.compilation_cache)
+  # A compile-only TPU client cannot load executables back from the persistent cache.
+  on_tpu = target.chip is not None and target.chip.platform == "tpu"
+  compile_cache.enable("off" if on_tpu else args.compilation_cache)
   from jaxrl_post.pipeline import config
   from jaxrl_post.plan import programs, report
 

@@ -5,7 +5,8 @@ XLA's `cost_analysis()` counts a while loop's body once, so a decode loop of 32 
 optimized HLO text of a compiled program (`compiled.as_text()`) and sums, per
 instruction that the device executes:
 
-* bytes: what a top-level op (a fusion, a copy, a collective, a kernel) reads and writes.
+* bytes: what a top-level op (a fusion, a copy, a collective, a kernel) reads from and
+  writes to HBM (buffers the compiler placed in on-chip memory, TPU VMEM, excluded).
   A fusion operand that the fusion only slices (the per-layer slice of a scanned weight
   stack) counts as the slice it reads, and an in-place dynamic-update-slice as the update
   it writes, as the memory system sees them;
@@ -32,6 +33,7 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_LAYOUT = re.compile(r"\{[^{}]*\}")  # the layout right after an array's dims
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s+=\s+(.*)$")
 # Ops that move no data of their own (views, tuples, control, scalars from the runtime).
@@ -80,10 +82,15 @@ class ProgramCost:
 
 
 def shape_bytes(shape: str) -> float:
-  """Bytes of every array in an HLO type (tuples summed; layouts ignored)."""
+  """HBM bytes of the arrays in an HLO type (tuples summed). An array whose layout names a
+  memory space other than 0 (`S(1)`: a TPU's on-chip VMEM) costs no HBM traffic."""
   total = 0.0
-  for dtype, dims in _ARRAY.findall(shape):
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  for match in _ARRAY.finditer(shape):
+    layout = _LAYOUT.match(shape, match.end())
+    if layout and re.search(r"S\([1-9]\d*\)", layout.group(0)):
+      continue
+    dims = match.group(2)
+    total += _DTYPE_BYTES[match.group(1)] * math.prod(int(d) for d in dims.split(",") if d)
   return total
 
 
@@ -280,7 +287,7 @@ class _Walker:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
     if known:
       return float(known.group(1))
-    instrs = self.comps.get(cond, [])
+    instrs = self._with_fused(cond)
     consts = {i.name: i for i in instrs if i.opcode == "constant"}
     for i in instrs:
       if i.opcode != "compare":
@@ -293,6 +300,15 @@ class _Walker:
         return float(n + 1 if direction.group(1) in ("LE", "GE") else n)
     self.unknown_loops.append(instr.name)
     return 1.0
+
+  def _with_fused(self, name: str) -> list[Instr]:
+    """A computation's instructions and those of the fusions it calls (a loop condition
+    like `i < n & any(active)` is one fusion on some backends)."""
+    instrs = list(self.comps.get(name, []))
+    for i in list(instrs):
+      if i.opcode == "fusion":
+        instrs.extend(self._with_fused(_attr(i.attrs, "calls")))
+    return instrs
 
 
 def _attr(attrs: str, key: str) -> str:

@@ -544,10 +544,12 @@ def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: in
   return params, KVPool(kv, kv), state
 
 
-def _lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout):
+def _lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout,
+                  truncation: bool = True):
   from jaxrl_post.rollout.engine import _decode_loop
   extra = {} if layout is None else {"layout": layout}
-  return _decode_loop.lower(params, pool, state, None, cfg=model_cfg, steps=steps, **extra)
+  return _decode_loop.lower(params, pool, state, None, cfg=model_cfg, steps=steps,
+                            truncation=truncation, **extra)
 
 
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,

@@ -95,6 +95,7 @@ class Programs:
   decode_steps: int
   sync: CompiledMemory
   rollout_weight_bytes: int
+  decode_weight_bytes: int  # what a decode step reads of them (untied embeddings: rows only)
   sync_bytes: int
 
 
@@ -118,13 +119,22 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                                 exp.rollout.engine.max_stop_ids,
                                                 meshes.rollout, layout)
   steps = exp.rollout.engine.decode_steps
-  decode = compiled_memory(memory._lower_decode(cfg, params, pool, state, steps,
-                                                layout).compile())
+  r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
+  decode = compiled_memory(memory._lower_decode(cfg, params, pool, state, steps, layout,
+                                                r.top_k > 0 or r.top_p < 1).compile())
   prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile())
   sync, sync_bytes = _compile_sync(exp, cfg, meshes)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, prefill=prefill,
                   decode=decode, decode_steps=steps, sync=sync,
-                  rollout_weight_bytes=memory.device_bytes(params), sync_bytes=sync_bytes)
+                  rollout_weight_bytes=memory.device_bytes(params),
+                  decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)
+
+
+def _decode_weight_bytes(cfg: ModelConfig, params) -> int:
+  """Bytes of the rollout weights one decode step must read: all of them but an untied
+  input embedding, of which it gathers one row per sequence."""
+  total = memory.device_bytes(params)
+  return total if cfg.tie_word_embeddings else total - memory.device_bytes(params["embed"])
 
 
 def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLayout):

@@ -107,7 +107,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp,
   }
   predicted["step"] = sum(predicted.values())
   step_bytes = p.decode.cost.bytes / p.decode_steps
-  floor = p.rollout_weight_bytes + slots_per_shard * s.table_pages * s.page_size * kv_per_token
+  floor = p.decode_weight_bytes + slots_per_shard * s.table_pages * s.page_size * kv_per_token
   largest = [] if fits else [{"bytes": a.bytes, "values": a.values} for a in train.largest[:5]]
   gb = lambda x: round(x / GB, 3)
   return Plan(

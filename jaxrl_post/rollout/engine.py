@@ -160,11 +160,12 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
   return with_params(_template(cfg), params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "buckets"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "buckets",
+                                            "truncation"),
                    donate_argnames=("pool", "state"))
 def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
                  cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
-                 buckets: int = 1):
+                 buckets: int = 1, truncation: bool = True):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
@@ -172,6 +173,8 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   all) of each slot's page table, from its first page (plain) or from the first page after
   its block's shared prefix (cascade). With `buckets` > 1 a plain step computes only the
   live slots of each data shard, at the narrowest of `buckets` widths (rollout.compact).
+  Without `truncation` (no slot samples with top-k or top-p) the program holds no
+  vocabulary sort at all (see sampling.sample).
 
   Returns:
     (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
@@ -182,7 +185,8 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   table = _loop_table(full, shared, width, pool.k.shape[3])
   with activation_rules(ROLLOUT_RULES, layout.mesh):
     pool, state, out_tokens, out_logprobs = _decode_steps(
-        params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets)
+        params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets,
+        truncation)
   state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
                        state._replace(page_table=full))
   whole = lambda x: jax.lax.with_sharding_constraint(x, layout.replicated)
@@ -223,7 +227,7 @@ class _Launched(NamedTuple):
   version: int
 
 
-def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets):
+def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets, truncation):
   model = _bind(cfg, params)
   b = state.tokens.shape[0]
   sizes = compact.widths(b // layout.data_shards, buckets)
@@ -238,7 +242,7 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets):
     logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
                                        st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
-    return pool, sample(logits, keys, st.temperature, st.top_k, st.top_p)
+    return pool, sample(logits, keys, st.temperature, st.top_k, st.top_p, truncation)
 
   def body(carry):
     i, pool, st, out_tokens, out_logprobs = carry
@@ -291,10 +295,15 @@ def _copy_pages(pool: KVPool, src, dst, *, layout: RolloutLayout) -> KVPool:
 
 def _zeros_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                 layout: RolloutLayout) -> KVPool:
-  """The pool created in place on its devices (no host or single-device staging copy)."""
+  """The pool created in place on its devices (no host or single-device staging copy).
+
+  Its sharding is spelled as the programs that return the pool spell it (a constraint, not
+  out_shardings: XLA drops size-1 axes and trailing Nones). A differently spelled but
+  equivalent sharding would make the next call's jit compile the same shapes again.
+  """
   sharding = layout.sharding(layout.pool_spec)
-  make = jax.jit(lambda: KVPool.zeros(cfg, num_pages, page_size, dtype),
-                 out_shardings=KVPool(sharding, sharding))
+  place = lambda x: jax.lax.with_sharding_constraint(x, sharding)
+  make = jax.jit(lambda: jax.tree.map(place, KVPool.zeros(cfg, num_pages, page_size, dtype)))
   return make()
 
 
@@ -772,11 +781,18 @@ class Engine:
       shared, width = None, self._table_width(max(int(needed.max()), 1))
     self.pool, self._device_slots, tokens, logprobs, active = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
-        steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets)
+        steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets,
+        truncation=self._truncating())
     for x in (tokens, logprobs, active):
       x.copy_to_host_async()  # Fetched while later calls run.
     self._pending.append(_Launched(tokens, logprobs, active, self._occupant.copy(),
                                    self.version))
+
+  def _truncating(self) -> bool:
+    """Whether any slot samples with top-k or top-p (an emptied slot keeps its last
+    settings, which can only keep the truncation pass in, never leave it out wrongly)."""
+    s = self._slots
+    return bool(np.any((s.top_k > 0) | (s.top_p < 1.0)))
 
   def collect(self) -> ResultTokens:
     """Waits for the oldest launched call; its tokens, and the host's view brought up to

@@ -30,11 +30,22 @@ from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
 from jaxrl_post.rollout.prefill_pack import PackedRows
-from jaxrl_post.sharding import constrain
+from jaxrl_post.kernels.kv_write import write_pages
+from jaxrl_post.sharding import constrain, target_platform
 
 
 def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N, Hkv, D] x2
-  """Stores N tokens' keys and values at (page, slot); rows aimed at page 0 are discarded."""
+  """Stores N tokens' keys and values at (page, slot); rows aimed at page 0 are discarded.
+
+  On TPU a Pallas kernel writes them in place (kernels.kv_write: XLA's scatter there would
+  copy the whole pool into another layout and back, every layer); elsewhere a scatter.
+  """
+  if target_platform() == "tpu":
+    hkv, n_layers, n_pages, ps, d = pool.k.shape
+    flat = lambda buf: buf.reshape(hkv, n_layers * n_pages, ps, d)  # free: contiguous
+    ids = layer * n_pages + pages
+    return KVPool(write_pages(flat(pool.k), ids, slots, k).reshape(pool.k.shape),
+                  write_pages(flat(pool.v), ids, slots, v).reshape(pool.v.shape))
   k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [Hkv, N, D], as the index yields
   return KVPool(pool.k.at[:, layer, pages, slots].set(k.astype(pool.k.dtype)),
                 pool.v.at[:, layer, pages, slots].set(v.astype(pool.v.dtype)))

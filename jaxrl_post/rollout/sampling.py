@@ -12,6 +12,8 @@ which slot it sits in or what else is in the batch.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import jax
@@ -117,7 +119,7 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
   return block * _BLOCK + jnp.minimum(i, _last_positive(inner))
 
 
-def sample(logits, keys, temperature, top_k, top_p):
+def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True):
   """Draws one token per row.
 
   Args:
@@ -126,13 +128,16 @@ def sample(logits, keys, temperature, top_k, top_p):
     temperature: [B] float32, 0 for greedy.
     top_k: [B] int32, 0 for off.
     top_p: [B] float32, 1 for off.
+    truncation: static; False promises no row uses top-k or top-p, and the program then
+      holds no truncation pass (a sort over the vocabulary) at all.
 
   Returns:
     (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
   """
   # A batch of greedy rows only (evaluation, greedy generation) skips the scaling,
   # truncation and draw passes over [B, V], a large part of a decode step on a CPU.
-  return jax.lax.cond(jnp.all(temperature <= 0.0), _greedy, _mixed, logits, keys,
+  mixed = functools.partial(_mixed, truncation=truncation)
+  return jax.lax.cond(jnp.all(temperature <= 0.0), _greedy, mixed, logits, keys,
                       temperature, top_k, top_p)
 
 
@@ -147,12 +152,13 @@ def _greedy(logits, keys, temperature, top_k, top_p):
   return tokens, _logprob(logits, tokens)
 
 
-def _mixed(logits, keys, temperature, top_k, top_p):
+def _mixed(logits, keys, temperature, top_k, top_p, truncation=True):
   greedy = temperature <= 0.0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  # The sort behind truncation costs more than the rest: skip it when no row asks for it.
-  needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
-  cut = jax.lax.cond(needs_cut, truncate, lambda s, k, p: s, scaled, top_k, top_p)
+  cut = scaled
+  if truncation:  # The sort behind it costs more than the rest: skip it when no row asks.
+    needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+    cut = jax.lax.cond(needs_cut, truncate, lambda s, k, p: s, scaled, top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
   tokens = jnp.where(greedy, first_argmax(logits), inverse_cdf_draw(keys, scaled))
   return tokens, _logprob(scaled, tokens)

@@ -88,3 +88,14 @@ def test_weights_from_another_device_are_moved_onto_the_mesh():
   eng = Engine(H.CFG, params, H.ENGINE, mesh=_mesh("data8"))
   devices = set(eng.layout.mesh.devices.flat)
   assert all(set(x.sharding.device_set) == devices for x in jax.tree.leaves(eng.params))
+
+
+def test_the_pool_keeps_its_sharding_through_prefill_so_shapes_compile_once():
+  """Programs that return the pool hand it back as it was created: a differently spelled
+  but equivalent sharding (replicated over a data axis of size 1) would make the next
+  call's jit compile the same shapes again."""
+  eng = Engine.from_model(H.model(), H.ENGINE, mesh=_mesh("tensor2"))
+  created = eng.pool.k.sharding
+  generate(eng, [[1, 2, 3], [4, 5, 6, 7, 8]], sampling=SamplingParams(temperature=0.0,
+                                                                      max_tokens=3))
+  assert eng.pool.k.sharding == created and eng.pool.v.sharding == created
