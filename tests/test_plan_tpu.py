@@ -60,10 +60,11 @@ def test_targets_name_the_published_slices():
   v5p = targets.resolve("v5p-8")
   assert (v5p.chips, v5p.topology, v5p.platform) == (4, "v5p:2x2x1", "tpu")
   assert targets.resolve("v5e-8").topology == "v5e:2x4"
-  assert targets.resolve("h100x8").compiled_for.startswith("host backend")
+  assert targets.resolve("h100x8").chip.hbm_bytes == 80e9
   with pytest.raises(Exception, match="unknown target 'v7-9'"):
     targets.resolve("v7-9")
-  assert len(targets.target_devices(targets.resolve("v6e-4"))) == 4
+  found = targets.target_devices(targets.resolve("v6e-4"))
+  assert len(found.devices) == 4 and found.compiled_for == "target"
 
 
 def _plan_cli(*args):
@@ -103,3 +104,13 @@ def test_a_plan_that_does_not_fit_says_so_and_lists_the_largest_buffers():
   verdict = report.build(compiled, targets.Target("small", small, 1), small, exp, 1)
   assert verdict.fits is False and verdict.largest_buffers
   assert "does NOT fit" in report.text(verdict)
+
+
+@pytest.mark.skipif(not targets.has_cuda_compiler(),
+                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
+def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
+  out = _plan_cli("--gin_file=configs/quickstart.gin", "--target=h100x1", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads(out.stdout)
+  assert result["compiled_for"] == "target"
+  assert result["attention_backends"]["decode"] == "paged_attention triton"

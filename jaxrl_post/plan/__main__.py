@@ -7,8 +7,10 @@ the target on abstract arrays, with no weights and no data, and prints memory pe
 the KV pool that fits, the attention kernels each program compiled with, predicted
 seconds per role and the bytes each step moves. Targets: `local` (this host's devices,
 the default), TPU slices (v4-8 ... v6e-256, compiled by libtpu on any host: pip install
--e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x8, a100x8). Exit status: 0 fits, 1 does
-not fit (after the report: use it as a pre-flight check), 2 bad input.
+-e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x8, a100x8; compiled by XLA:GPU and
+Triton without a GPU with pip install -e '.[gpu-plan]', else planned from this host's
+programs). Exit status: 0 fits, 1 does not fit (after the report: use it as a pre-flight
+check), 2 bad input.
 """
 
 from __future__ import annotations
@@ -66,8 +68,7 @@ def measured_peaks(devices) -> tuple[float, float]:
 def run(argv: Sequence[str]) -> int:
   args = _parser().parse_args(argv)
   target = targets.resolve(args.target)
-  targets.compile_only_tpu_env()
-  targets.host_device_flags(target)  # before jax starts its backends
+  targets.prepare(target)  # before jax starts its backends
   # A compile-only TPU client cannot load executables back from the persistent cache.
   on_tpu = target.chip is not None and target.chip.platform == "tpu"
   compile_cache.enable("off" if on_tpu else args.compilation_cache)
@@ -78,7 +79,8 @@ def run(argv: Sequence[str]) -> int:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   config.parse(args.gin_file, [*args.gin_param, NO_DATA])
   exp = config.build_experiment()
-  devices = targets.target_devices(target)
+  found = targets.target_devices(target)
+  devices = found.devices
   if exp.placement.num_devices:
     devices = devices[:exp.placement.num_devices]
   compiled = programs.compile_programs(exp, devices)
@@ -88,7 +90,7 @@ def run(argv: Sequence[str]) -> int:
   else:
     share = target.chips / len(devices)  # a v4 chip shows as two devices
     chip = target.chip if share == 1 else _per_device(target.chip, share)
-  plan = report.build(compiled, target, chip, exp, len(devices))
+  plan = report.build(compiled, target, chip, exp, len(devices), found.compiled_for)
   if args.json:
     print(json.dumps(plan.as_json(), indent=1))
   else:

@@ -38,6 +38,7 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s+=\s+(.*)$")
 # Ops that move no data of their own (views, tuples, control, scalars from the runtime).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "fusion-done",
          "partition-id", "replica-id", "iota", "copy-done", "all-gather-done",
          "all-reduce-done", "collective-permute-done", "send-done", "recv-done",
          "opt-barrier", "add-dependency", "domain"}
@@ -185,6 +186,8 @@ class _Walker:
       return self.computation(_attr(instr.attrs, "to_apply"))
     if op == "fusion":
       return self.fusion(instr)
+    if op == "fusion-start":  # XLA:GPU's async fusion (a layer's weight slice, say)
+      return self.async_fusion(instr)
     if op == "custom-call":
       return self.custom_call(instr)
     if op in _FREE:
@@ -229,6 +232,12 @@ class _Walker:
     in_place = root is not None and root.opcode in _IN_PLACE
     cost.bytes += self.update_bytes(root) if in_place else shape_bytes(instr.shape)
     return cost
+
+  def async_fusion(self, instr: Instr) -> Cost:
+    """A fusion-start: the fusion it calls, its result the tuple's second element."""
+    result = _tuple_elements(instr.shape)
+    shape = result[1] if len(result) > 1 else instr.shape
+    return self.fusion(dataclasses.replace(instr, shape=shape))
 
   def fused_flops(self, body: list[Instr]) -> float:
     flops = 0.0
@@ -277,11 +286,23 @@ class _Walker:
 
   def custom_call(self, instr: Instr) -> Cost:
     estimate = re.search(r'"cost_estimate":\s*(\{[^}]*\})', instr.attrs)
-    if estimate:
+    if estimate:  # Mosaic calls carry the kernel's own pl.CostEstimate.
       fields = json.loads(estimate.group(1))
       return Cost(flops=float(fields.get("flops", 0)),
                   bytes=float(fields.get("bytes_accessed", 0)))
+    if "paged_attention" in instr.attrs:  # Triton calls carry none: the same estimate.
+      return self.paged_attention(instr)
     return Cost(bytes=self.io_bytes(instr))
+
+  def paged_attention(self, instr: Instr) -> Cost:
+    """Operands (q [B, Hkv, G, D], k, v [Hkv, P, ps, D], table [B, M], lengths): K and V
+    of each row's table pages once per KV head (kernels.paged_attention._cost)."""
+    q, k, _, table = (self.shapes.get(o, "") for o in instr.operands[:4])
+    b, hkv, g, d = _dims(q)
+    ps, pages = _dims(k)[2], _dims(table)[1]
+    kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * b * hkv * pages * ps * d
+    return Cost(flops=4.0 * b * hkv * g * pages * ps * d,
+                bytes=kv + shape_bytes(q) + shape_bytes(instr.shape) + shape_bytes(table))
 
   def trip_count(self, instr: Instr, cond: str) -> float:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
@@ -309,6 +330,21 @@ class _Walker:
       if i.opcode == "fusion":
         instrs.extend(self._with_fused(_attr(i.attrs, "calls")))
     return instrs
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple type "(a, (b, c), d)" (a non-tuple: itself)."""
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, c in enumerate(shape):
+    depth += c in "([{"
+    depth -= c in ")]}"
+    if c == "," and depth == 1:
+      parts.append(shape[start:i].strip())
+      start = i + 1
+  parts.append(shape[start:shape.rindex(")")].strip())
+  return [p for p in parts if p]
 
 
 def _attr(attrs: str, key: str) -> str:

@@ -36,6 +36,7 @@ class Plan:
   kv_tokens_needed: int
   attention_backends: dict  # program -> implementation
   predicted_s: dict  # prefill, decode, train, sync, step
+  roofline_s: dict  # role -> {compute, memory, collective}: the terms of predicted_s
   flops: dict  # program -> FLOPs per device per step
   hbm_bytes: dict  # program -> memory bytes per device per step
   sync_bytes: int
@@ -49,11 +50,16 @@ class Plan:
     return dataclasses.asdict(self)
 
 
-def _seconds(mem: CompiledMemory, chip: Chip, calls: float) -> float:
+def _terms(mem: CompiledMemory, chip: Chip, calls: float) -> dict:
+  """A program's roofline terms over a step: compute, memory and collective seconds."""
   cost = mem.cost
-  compute = cost.flops / chip.bf16_flops_per_s
-  traffic = cost.bytes / chip.hbm_bytes_per_s
-  return calls * (max(compute, traffic) + cost.collective_bytes / chip.link_bytes_per_s)
+  return {"compute": calls * cost.flops / chip.bf16_flops_per_s,
+          "memory": calls * cost.bytes / chip.hbm_bytes_per_s,
+          "collective": calls * cost.collective_bytes / chip.link_bytes_per_s}
+
+
+def _seconds(terms: dict) -> float:
+  return max(terms["compute"], terms["memory"]) + terms["collective"]
 
 
 def _backend(mem: CompiledMemory, fallback: str) -> str:
@@ -61,8 +67,8 @@ def _backend(mem: CompiledMemory, fallback: str) -> str:
   return ", ".join(attention) if attention else fallback
 
 
-def build(programs: Programs, target: Target, chip: Chip, exp,
-          devices: int, memory_fraction: float = 0.9) -> Plan:
+def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
+          compiled_for: str = "target", memory_fraction: float = 0.9) -> Plan:
   """The Plan of compiled `programs` on `chip` (per device: a chip or a share of one)."""
   p, s, cfg = programs, programs.shapes, programs.model
   capacity = chip.hbm_bytes
@@ -99,19 +105,18 @@ def build(programs: Programs, target: Target, chip: Chip, exp,
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
   prefill_calls = math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width))
   minibatches = exp.trainer.minibatches
-  predicted = {
-      "prefill": _seconds(p.prefill, chip, prefill_calls),
-      "decode": _seconds(p.decode, chip, decode_calls),
-      "train": _seconds(train.compiled, chip, minibatches),
-      "sync": _seconds(p.sync, chip, 1.0 / exp.sync.every_n_steps),
-  }
+  terms = {"prefill": _terms(p.prefill, chip, prefill_calls),
+           "decode": _terms(p.decode, chip, decode_calls),
+           "train": _terms(train.compiled, chip, minibatches),
+           "sync": _terms(p.sync, chip, 1.0 / exp.sync.every_n_steps)}
+  predicted = {role: _seconds(t) for role, t in terms.items()}
   predicted["step"] = sum(predicted.values())
   step_bytes = p.decode.cost.bytes / p.decode_steps
   floor = p.decode_weight_bytes + slots_per_shard * s.table_pages * s.page_size * kv_per_token
   largest = [] if fits else [{"bytes": a.bytes, "values": a.values} for a in train.largest[:5]]
   gb = lambda x: round(x / GB, 3)
   return Plan(
-      target=target.name, devices=devices, compiled_for=target.compiled_for,
+      target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
       memory_gb={name: _memory(mem) for name, mem in (
           ("train", train.compiled), ("prefill", p.prefill), ("decode", p.decode),
@@ -126,6 +131,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp,
           "prefill": _backend(p.prefill, "paged gather (jnp)"),
           "decode": _backend(p.decode, "paged gather (jnp)")},
       predicted_s={k: round(v, 4) for k, v in predicted.items()},
+      roofline_s={role: {k: round(v, 4) for k, v in t.items()} for role, t in terms.items()},
       flops={"prefill": p.prefill.cost.flops * prefill_calls,
              "decode": p.decode.cost.flops * decode_calls,
              "train": train.compiled.cost.flops * minibatches},
@@ -138,7 +144,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp,
       rollout_payload_bytes=int(s.samples * r.max_new_tokens * PAYLOAD_BYTES_PER_TOKEN),
       decode_bytes_vs_floor=round(step_bytes / floor, 3) if floor else 0.0,
       largest_buffers=largest,
-      notes=_notes(p, target))
+      notes=_notes(p, target, compiled_for))
 
 
 def _memory(mem: CompiledMemory) -> dict:
@@ -148,11 +154,11 @@ def _memory(mem: CompiledMemory) -> dict:
           "peak": gb(mem.peak_bytes)}
 
 
-def _notes(p: Programs, target: Target) -> list:
+def _notes(p: Programs, target: Target, compiled_for: str) -> list:
   notes = []
-  if target.compiled_for != "target":
-    notes.append(f"programs compiled for the {target.compiled_for}; memory and peaks are "
-                 f"the {target.chip.name}'s")
+  if compiled_for != "target":
+    notes.append(f"programs compiled for the {compiled_for}; memory and peaks are the "
+                 f"{target.chip.name}'s")
   for name, mem in (("train", p.train.compiled), ("prefill", p.prefill), ("decode", p.decode)):
     if mem.cost.unknown_loops:
       notes.append(f"{name}: {len(mem.cost.unknown_loops)} loop(s) without a constant trip "

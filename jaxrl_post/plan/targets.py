@@ -1,10 +1,12 @@
 """Hardware a run can be planned for: the local devices, TPU slices and GPU nodes.
 
 TPU slices compile for real: libtpu's compile-only topologies give abstract chips that
-the XLA:TPU and Mosaic compilers target from any host. This jax cannot compile for a GPU
-without one (its CUDA plugin needs a device to describe the target), so a GPU target
-plans from the host backend's programs over as many fake devices, with the GPU's memory
-and peaks; the report says so (`Target.compiled_for`).
+the XLA:TPU and Mosaic compilers target from any host. GPU nodes compile for real too
+where jax's CUDA plugin and ptxas are installed (the `gpu-plan` extra): the plugin builds
+a topology from a target description of the GPU (`gpu_target_config`) with no device
+present, and XLA:GPU and Triton compile for it. Without the plugin a GPU target plans
+from the host backend's programs over as many fake devices, with the GPU's memory and
+peaks, and the report says so (`Devices.compiled_for`).
 
 Published per-chip figures (vendors' spec sheets): HBM capacity and bandwidth, dense
 bfloat16 FLOP/s, and the interconnect a collective between chips uses (ICI for TPU,
@@ -14,6 +16,7 @@ NVLink for GPU), one direction.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -22,6 +25,53 @@ from typing import Optional
 from jaxrl_post.errors import UserError
 
 GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """What XLA:GPU needs to know of a GPU to compile for it without one (its
+  GpuTargetConfig): compute capability, SMs, memory, caches, clock."""
+
+  description: str
+  major: int
+  minor: int
+  sms: int
+  memory_bytes: int
+  bandwidth: float
+  l2_bytes: int
+  clock_ghz: float
+  smem_per_sm: int
+  smem_optin: int
+
+
+GPU_SPECS = {
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", 9, 0, 132, 84929347584, 3.35e12, 52428800, 1.98,
+                    233472, 232448),
+    "h200": GpuSpec("NVIDIA H200", 9, 0, 132, 150754820096, 4.8e12, 62914560, 1.98,
+                    233472, 232448),
+    "a100": GpuSpec("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85899345920, 2.039e12, 41943040,
+                    1.41, 167936, 166912),
+}
+
+
+def gpu_target_config(spec: GpuSpec) -> str:
+  """The GpuTargetConfig text proto jax's CUDA plugin takes for a deviceless topology."""
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: {spec.smem_per_sm} threads_per_core_limit: 2048
+  core_count: {spec.sms} fpus_per_core: 128 block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(spec.bandwidth)} l2_cache_size: {spec.l2_bytes}
+  clock_rate_ghz: {spec.clock_ghz} device_memory_size: {spec.memory_bytes}
+  shared_memory_per_block_optin: {spec.smem_optin}
+  cuda_compute_capability {{ major: {spec.major} minor: {spec.minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+runtime_version {{ major: 13 minor: 0 patch: 0 }}
+device_description_str: "{spec.description}"
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +138,14 @@ class Target:
   def platform(self) -> str:
     return self.chip.platform if self.chip else "local"
 
-  @property
-  def compiled_for(self) -> str:
-    """What the programs were compiled for: the target itself, or the host's backend."""
-    if self.chip is None or self.chip.platform == "tpu":
-      return "target"
-    return "host backend (no deviceless GPU compiler in this jax)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """The devices a target's programs compile over, and for what they really compiled."""
+
+  devices: list
+  compiled_for: str  # "target", or why not
 
 
 def _tpu_topology(chip: str, chips: int) -> str:
@@ -141,38 +193,53 @@ def compile_only_tpu_env() -> None:
     os.environ.setdefault(key, value)
 
 
-def target_devices(target: Target) -> list:
-  """The devices `target`'s programs are compiled over.
-
-  Raises:
-    UserError: a TPU target without libtpu (the `tpu` extra), or a GPU/local target with
-      fewer host devices than it needs (GPU targets set the host's fake device count
-      before jax starts: see `host_device_flags`).
-  """
-  import jax
-
-  if target.chip is not None and target.chip.platform == "tpu":
-    try:
-      import libtpu  # noqa: F401
-    except ImportError:
-      raise UserError(f"plan: target {target.name} compiles with libtpu, which is not "
-                      "installed: pip install -e '.[tpu]'") from None
-    from jax.experimental import topologies
-    return list(topologies.get_topology_desc(topology_name=target.topology,
-                                             platform="tpu").devices)
-  devices = jax.devices()
-  if target.chips and len(devices) < target.chips:
-    raise UserError(f"plan: target {target.name} needs {target.chips} devices but the host "
-                    f"backend has {len(devices)}; set XLA_FLAGS="
-                    f"--xla_force_host_platform_device_count={target.chips}")
-  return devices[:target.chips] if target.chips else devices
+def has_cuda_compiler() -> bool:
+  """Whether jax's CUDA plugin is installed (the `gpu-plan` extra) to compile for GPUs."""
+  return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
 
 
-def host_device_flags(target: Target) -> None:
-  """Before jax starts: enough fake host devices to stand in for a GPU node's devices."""
+def prepare(target: Target) -> None:
+  """Before jax starts its backends: libtpu's compile-only environment; for a GPU target,
+  the CUDA plugin without its device checks (no GPU here), or else enough fake host
+  devices to stand in for the node's GPUs."""
+  compile_only_tpu_env()
   if target.chip is None or target.chip.platform != "gpu":
+    return
+  if has_cuda_compiler():
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     return
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={target.chips}").strip()
+
+
+def target_devices(target: Target) -> Devices:
+  """The devices `target`'s programs are compiled over.
+
+  Raises:
+    UserError: a TPU target without libtpu (the `tpu` extra), or a target needing more
+      host devices than the host backend has.
+  """
+  import jax
+  from jax.experimental import topologies
+
+  if target.chip is not None and target.chip.platform == "tpu":
+    if importlib.util.find_spec("libtpu") is None:
+      raise UserError(f"plan: target {target.name} compiles with libtpu, which is not "
+                      "installed: pip install -e '.[tpu]'")
+    desc = topologies.get_topology_desc(topology_name=target.topology, platform="tpu")
+    return Devices(list(desc.devices), "target")
+  if target.chip is not None and target.chip.platform == "gpu" and has_cuda_compiler():
+    config = gpu_target_config(GPU_SPECS[target.chip.name])
+    desc = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                        topology=f"1x1x{target.chips}")
+    return Devices(list(desc.devices), "target")
+  devices = jax.devices()
+  if target.chips and len(devices) < target.chips:
+    raise UserError(f"plan: target {target.name} needs {target.chips} devices but the host "
+                    f"backend has {len(devices)}; set XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={target.chips}")
+  why = "target" if target.chip is None else (
+      "host backend: no GPU compiler here (pip install -e '.[gpu-plan]' compiles for the GPU)")
+  return Devices(devices[:target.chips] if target.chips else devices, why)
