@@ -83,7 +83,12 @@ def run(argv: Sequence[str]) -> int:
   devices = found.devices
   if exp.placement.num_devices:
     devices = devices[:exp.placement.num_devices]
-  compiled = programs.compile_programs(exp, devices)
+  try:
+    compiled = programs.compile_programs(exp, devices)
+  except Exception as e:  # noqa: BLE001  (jax raises its runtime error type)
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return _out_of_memory(args, target, len(devices), str(e))
   if target.chip is None:
     chip = report.local_chip(devices, *measured_peaks(devices),
                              programs.local_chip_memory(devices))
@@ -96,6 +101,20 @@ def run(argv: Sequence[str]) -> int:
   else:
     print(report.text(plan))
   return 0 if plan.fits else 1
+
+
+def _out_of_memory(args, target, devices: int, message: str) -> int:
+  """The verdict when the target's compiler itself refuses a program for lack of memory
+  (XLA:TPU does, before any buffer is assigned): which program and by how much."""
+  line = next((l for l in message.splitlines() if "RESOURCE_EXHAUSTED" in l), message)
+  line = line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+  if args.json:
+    print(json.dumps({"target": target.name, "devices": devices, "fits": False,
+                      "compiler_refused": line}, indent=1))
+  else:
+    print(f"plan for {target.name}: {devices} device(s)\nverdict: does NOT fit: the "
+          f"compiler refused a program: {line}")
+  return 1
 
 
 def _per_device(chip, share: float):

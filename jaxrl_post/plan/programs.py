@@ -4,7 +4,8 @@ From an Experiment (the gin config the run would train with) and the target's de
 the placement's meshes, the model's shapes (no weights), and the four programs one RL
 step runs, each lowered exactly as the run jits it and compiled by the target's compiler:
 
-* train: the trainer's minibatch update at the run's worst-case packed micro-batch;
+* train: the trainer's minibatch update at the run's worst-case packed micro-batch (its
+  memory), and at the rows its tokens fill (its time);
 * prefill: one packed prefill call of the engine at its configured rows and chunk;
 * decode: the engine's multi-step decode loop at the configured slots and a page table
   as wide as the longest sequence;
@@ -14,6 +15,7 @@ step runs, each lowered exactly as the run jits it and compiled by the target's 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -24,7 +26,7 @@ from jaxrl_post.models import PRESETS, ModelConfig, abstract_model, preset
 from jaxrl_post.models.transformer import is_adapter, logical_axes, params_of
 from jaxrl_post.plan import memory
 from jaxrl_post.plan.memory import CompiledMemory, TrainStepMemory, compiled_memory
-from jaxrl_post.rl.packing import completion_bucket
+from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import Trainer
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import cdiv
@@ -56,7 +58,8 @@ class Shapes:
   samples: int  # trajectories per RL step
   longest: int  # prompt + completion tokens
   completion_len: int  # T of the trainer's [B, T] completion layout
-  rows: int  # packed rows of one micro-batch
+  rows: int  # packed rows of one micro-batch at worst (what memory must hold)
+  rows_filled: int  # packed rows its tokens fill (what a step takes on average)
   sequences: int  # trajectories of one micro-batch (padded to row shards)
   num_slots: int  # decode slots over the rollout mesh
   table_pages: int  # page-table width of the longest sequence
@@ -72,10 +75,11 @@ def shapes(exp, trainer: Trainer, layout: RolloutLayout) -> Shapes:
   per_micro = samples // (t.minibatches * t.micro_batches)
   rows, sequences = memory.micro_batch_shape(per_micro, longest, t.row_tokens,
                                              trainer.batch_shards)
+  filled = bucket(math.ceil(per_micro * longest / t.row_tokens), trainer.batch_shards)
   page = eng.pool.page_size
   return Shapes(samples=samples, longest=longest,
                 completion_len=completion_bucket(r.max_new_tokens), rows=rows,
-                sequences=sequences,
+                rows_filled=min(filled, rows), sequences=sequences,
                 num_slots=shard_count(eng.num_slots, layout.data_shards, eng.group_slots),
                 table_pages=cdiv(min(eng.max_seq_len or longest, longest), page),
                 page_size=page, prefill_rows=eng.prefill_rows,
@@ -89,7 +93,8 @@ class Programs:
   model: ModelConfig
   meshes: Meshes
   shapes: Shapes
-  train: TrainStepMemory
+  train: TrainStepMemory  # at the worst-case rows
+  train_filled: CompiledMemory  # at the rows the tokens fill: what predicts its time
   prefill: CompiledMemory
   decode: CompiledMemory  # one call of `decode_steps` steps
   decode_steps: int
@@ -111,6 +116,12 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                    micro_batches=exp.trainer.micro_batches,
                                    sequences=s.sequences, largest=largest,
                                    reference_dtype=exp.reference.dtype)
+  train_filled = train.compiled
+  if s.rows_filled != s.rows:
+    train_filled = memory.train_step_memory(
+        cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
+        micro_batches=exp.trainer.micro_batches, sequences=s.sequences,
+        reference_dtype=exp.reference.dtype).compiled
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   wdt = exp.sync.rollout_dtype
   pages = 1 + (s.num_slots // layout.data_shards) * s.table_pages  # the sink page too
@@ -124,7 +135,8 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                                 r.top_k > 0 or r.top_p < 1).compile())
   prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile())
   sync, sync_bytes = _compile_sync(exp, cfg, meshes)
-  return Programs(model=cfg, meshes=meshes, shapes=s, train=train, prefill=prefill,
+  return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
+                  prefill=prefill,
                   decode=decode, decode_steps=steps, sync=sync,
                   rollout_weight_bytes=memory.device_bytes(params),
                   decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)
