@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/gpu_check_$(date +%F).json}
-PARTS=${PARTS:-"tests greedy kernels rollout sync step step_1b scale generate"}
+PARTS=${PARTS:-"tests greedy kernels rollout sync step step_1b scale generate plan plan_1b"}
 LIMIT=${PART_TIMEOUT_S:-900}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -39,6 +39,11 @@ part step "$PY" scripts/bench_step.py --json
 part step_1b "$PY" scripts/bench_step.py --json --model llama-1b
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json
+# The planner's predicted step on this GPU, beside the measured ones above (docs/BENCHMARKS.md
+# "Planning"): the quickstart, and the 1B GSM8K config from its published config.json.
+part plan "$PY" -m jaxrl_post.plan --gin_file=configs/quickstart.gin --json
+part plan_1b "$PY" -m jaxrl_post.plan --gin_file=configs/tpu/llama3.2-1b_gsm8k_v5e-8.gin \
+  --gin_param='rollout_mesh/MeshConfig.data = -1' --json
 
 "$PY" - "$WORK" "$OUT_FILE" "$PARTS" <<'PYEOF'
 import datetime, json, os, sys

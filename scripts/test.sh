@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite on the CPU (8 fake devices); sets up .venv first if needed.
 # Usage: bash scripts/test.sh [pytest args...]     e.g. bash scripts/test.sh -m "not slow"
+# By default the `sweep` cases (more parametrizations of what the run already covers) are
+# left out; `bash scripts/test.sh -m sweep` runs them (a later -m replaces the default).
 # Tests run in JAXRL_TEST_WORKERS processes (default: the cores, at least 2 and at most 4;
 # 0 runs them in this one). Much of a test is single-threaded compilation and subprocesses
 # starting, which a second process overlaps even on two cores.
@@ -9,4 +11,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
-exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 -m "not sweep" "$@"

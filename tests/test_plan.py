@@ -127,6 +127,7 @@ def _bench_scale():
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # bench_scale's own smoke run; the plan's programs are tested elsewhere
 def test_bench_scale_quick_prints_every_key(capsys):
   assert _bench_scale().main(["--quick", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)

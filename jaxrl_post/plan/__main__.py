@@ -97,7 +97,7 @@ def run(argv: Sequence[str]) -> int:
     chip = target.chip if share == 1 else _per_device(target.chip, share)
   plan = report.build(compiled, target, chip, exp, len(devices), found.compiled_for)
   if args.json:
-    print(json.dumps(plan.as_json(), indent=1))
+    print(json.dumps(plan.as_json()))  # one line: scripts keep the last line
   else:
     print(report.text(plan))
   return 0 if plan.fits else 1
@@ -110,7 +110,7 @@ def _out_of_memory(args, target, devices: int, message: str) -> int:
   line = line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
   if args.json:
     print(json.dumps({"target": target.name, "devices": devices, "fits": False,
-                      "compiler_refused": line}, indent=1))
+                      "compiler_refused": line}))
   else:
     print(f"plan for {target.name}: {devices} device(s)\nverdict: does NOT fit: the "
           f"compiler refused a program: {line}")

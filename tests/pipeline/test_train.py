@@ -83,8 +83,9 @@ def _wait_for_step(path, step, proc, timeout=300):
 
 
 @pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kill_after",
-                         [(QUICKSTART, 1, 1, 3), (QUICKSTART, 2, 3, 4),
-                          (QUICKSTART_LORA, 2, 3, 4)], ids=["sync1", "sync2", "lora-sync2"])
+                         [pytest.param(QUICKSTART, 1, 1, 3, marks=pytest.mark.sweep),
+                          (QUICKSTART, 2, 3, 4), (QUICKSTART_LORA, 2, 3, 4)],
+                         ids=["sync1", "sync2", "lora-sync2"])
 def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, gin_file, sync_every,
                                                              checkpoint_every, kill_after):
   """A run killed (SIGKILL) mid-run and restarted with the same command writes the same
