@@ -67,28 +67,32 @@ def _backend(mem: CompiledMemory, fallback: str) -> str:
   return ", ".join(attention) if attention else fallback
 
 
-def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
-          compiled_for: str = "target", memory_fraction: float = 0.9) -> Plan:
-  """The Plan of compiled `programs` on `chip` (per device: a chip or a share of one)."""
-  p, s, cfg = programs, programs.shapes, programs.model
-  capacity = chip.hbm_bytes
-  train = p.train
-  state = train.params_bytes + train.frozen_bytes + train.opt_state_bytes
-  resident_train = state + train.reference_bytes
-  data_shards = p.meshes.rollout.shape["data"]
+@dataclasses.dataclass(frozen=True)
+class _Memory:
+  """Per device: the peak of each phase of a step, and the KV pool beside the rest."""
+
+  phases: dict  # phase -> bytes held while it runs
+  kv_per_token: int
+  kv_pages: int  # pages of the pool that fit
+  kv_needed: int  # tokens the slots need at the longest sequence
+  kv_bytes: int  # the pool those tokens take
+
+
+def _memory_plan(p: Programs, exp, capacity: float, memory_fraction: float) -> _Memory:
+  """What each phase holds at once. Colocated, the train state and reference stay
+  resident while the engine runs, and the rollout weights and pool while training does."""
+  s, cfg, train = p.shapes, p.model, p.train
   tensor = p.meshes.rollout.shape["tensor"]
   kv_heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else cfg.num_kv_heads
   kv_per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * _itemsize(
       exp.rollout.engine.kv_dtype or cfg.compute_dtype)
-  slots_per_shard = s.num_slots // data_shards
-  kv_needed_tokens = slots_per_shard * s.table_pages * s.page_size
+  kv_needed = s.num_slots // p.meshes.rollout.shape["data"] * s.table_pages * s.page_size
+  kv_bytes = (kv_needed + s.page_size) * kv_per_token  # the sink page too
   colocated = p.meshes.colocated
-  beside = (train.peak_bytes if colocated else 0) + p.rollout_weight_bytes
-  left = capacity - beside
-  kv_budget = int(memory_fraction * max(left, 0))
-  kv_pages = kv_budget // (s.page_size * kv_per_token) if kv_per_token else 0
-  kv_bytes = (kv_needed_tokens + s.page_size) * kv_per_token
-  other = resident_train if colocated else 0
+  left = capacity - (train.peak_bytes if colocated else 0) - p.rollout_weight_bytes
+  kv_pages = int(memory_fraction * max(left, 0)) // (s.page_size * kv_per_token)
+  resident = train.params_bytes + train.frozen_bytes + train.opt_state_bytes
+  other = resident + train.reference_bytes if colocated else 0
   phases = {
       "train": train.peak_bytes + (p.rollout_weight_bytes + kv_bytes if colocated else 0),
       "prefill": p.prefill.peak_bytes + other,
@@ -96,54 +100,69 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       "sync": p.sync.peak_bytes + (train.opt_state_bytes + train.reference_bytes + kv_bytes
                                    if colocated else 0),
   }
-  peak = max(phases.values())
-  fits = peak <= capacity and kv_pages * s.page_size >= kv_needed_tokens
+  return _Memory(phases, kv_per_token, kv_pages, kv_needed, kv_bytes)
 
-  r = exp.rollout
-  rounds = math.ceil(s.samples / s.num_slots)
-  decode_calls = rounds * math.ceil(r.max_new_tokens / p.decode_steps)
+
+def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
+  """(terms, calls) per role over one step: how often each program runs, and its
+  compute, memory and collective seconds on `chip`."""
+  s, r = p.shapes, exp.rollout
+  data_shards = p.meshes.rollout.shape["data"]
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
-  prefill_calls = math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width))
-  minibatches = exp.trainer.minibatches
-  terms = {"prefill": _terms(p.prefill, chip, prefill_calls),
-           "decode": _terms(p.decode, chip, decode_calls),
-           "train": _terms(p.train_filled, chip, minibatches),
-           "sync": _terms(p.sync, chip, 1.0 / exp.sync.every_n_steps)}
+  calls = {
+      "prefill": math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width)),
+      "decode": math.ceil(s.samples / s.num_slots) * math.ceil(r.max_new_tokens /
+                                                               p.decode_steps),
+      "train": exp.trainer.minibatches,
+      "sync": 1.0 / exp.sync.every_n_steps,
+  }
+  programs = {"prefill": p.prefill, "decode": p.decode, "train": p.train_filled,
+              "sync": p.sync}
+  return {role: _terms(programs[role], chip, n) for role, n in calls.items()}, calls
+
+
+def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
+          compiled_for: str = "target", memory_fraction: float = 0.9) -> Plan:
+  """The Plan of compiled `programs` on `chip` (per device: a chip or a share of one)."""
+  p, s, train = programs, programs.shapes, programs.train
+  mem = _memory_plan(p, exp, chip.hbm_bytes, memory_fraction)
+  peak = max(mem.phases.values())
+  fits = peak <= chip.hbm_bytes and mem.kv_pages * s.page_size >= mem.kv_needed
+  terms, calls = _roofline(p, exp, chip)
   predicted = {role: _seconds(t) for role, t in terms.items()}
   predicted["step"] = sum(predicted.values())
-  step_bytes = p.decode.cost.bytes / p.decode_steps
-  floor = p.decode_weight_bytes + slots_per_shard * s.table_pages * s.page_size * kv_per_token
-  largest = [] if fits else [{"bytes": a.bytes, "values": a.values} for a in train.largest[:5]]
+  floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
+  cost = {"prefill": p.prefill.cost, "decode": p.decode.cost, "train": p.train_filled.cost}
   return Plan(
       target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
-      memory_gb={name: _memory(mem) for name, mem in (
+      memory_gb={name: _memory(m) for name, m in (
           ("train", train.compiled), ("prefill", p.prefill), ("decode", p.decode),
           ("sync", p.sync))},
-      resident_gb={"train_state": gb(state), "reference": gb(train.reference_bytes),
-                   "rollout_weights": gb(p.rollout_weight_bytes), "kv_pool": gb(kv_bytes),
-                   "peak_by_phase": {k: gb(v) for k, v in phases.items()}},
-      kv_pages=int(kv_pages), kv_tokens=int(kv_pages * s.page_size),
-      kv_tokens_needed=int(kv_needed_tokens),
+      resident_gb={"train_state": gb(train.params_bytes + train.frozen_bytes +
+                                     train.opt_state_bytes),
+                   "reference": gb(train.reference_bytes),
+                   "rollout_weights": gb(p.rollout_weight_bytes), "kv_pool": gb(mem.kv_bytes),
+                   "peak_by_phase": {k: gb(v) for k, v in mem.phases.items()}},
+      kv_pages=int(mem.kv_pages), kv_tokens=int(mem.kv_pages * s.page_size),
+      kv_tokens_needed=int(mem.kv_needed),
       attention_backends={
           "train": _backend(train.compiled, "masked softmax (jnp)"),
           "prefill": _backend(p.prefill, "paged gather (jnp)"),
           "decode": _backend(p.decode, "paged gather (jnp)")},
       predicted_s={k: round(v, 4) for k, v in predicted.items()},
       roofline_s={role: {k: round(v, 4) for k, v in t.items()} for role, t in terms.items()},
-      flops={"prefill": p.prefill.cost.flops * prefill_calls,
-             "decode": p.decode.cost.flops * decode_calls,
-             "train": p.train_filled.cost.flops * minibatches},
-      hbm_bytes={"prefill": p.prefill.cost.bytes * prefill_calls,
-                 "decode": p.decode.cost.bytes * decode_calls,
-                 "train": p.train_filled.cost.bytes * minibatches,
+      flops={role: c.flops * calls[role] for role, c in cost.items()},
+      hbm_bytes={**{role: c.bytes * calls[role] for role, c in cost.items()},
                  "sync": p.sync.cost.bytes},
       sync_bytes=int(p.sync_bytes),
-      grad_bytes_per_rank=int(p.train_filled.cost.collective_bytes * minibatches),
-      rollout_payload_bytes=int(s.samples * r.max_new_tokens * PAYLOAD_BYTES_PER_TOKEN),
-      decode_bytes_vs_floor=round(step_bytes / floor, 3) if floor else 0.0,
-      largest_buffers=largest,
+      grad_bytes_per_rank=int(p.train_filled.cost.collective_bytes * calls["train"]),
+      rollout_payload_bytes=int(s.samples * exp.rollout.max_new_tokens *
+                                PAYLOAD_BYTES_PER_TOKEN),
+      decode_bytes_vs_floor=round(p.decode.cost.bytes / p.decode_steps / floor, 3),
+      largest_buffers=[] if fits else [{"bytes": a.bytes, "values": a.values}
+                                       for a in train.largest[:5]],
       notes=_notes(p, target, compiled_for))
 
 
