@@ -62,8 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   source.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON prompt per line")
   p.add_argument("--out", metavar="FILE.jsonl", help="where --prompts writes its completions")
   p.add_argument("--n", type=int, default=1, help="completions per --prompts row")
-  p.add_argument("--num-slots", type=int, default=32,
-                 help="sequences --prompts decodes together (default 32)")
+  p.add_argument("--num-slots", type=int, default=None,
+                 help="sequences --prompts decodes together (default: every row's --n "
+                      "completions at once, as many as the KV pool's default budget holds)")
   p.add_argument("--chat", action="store_true", help="apply the model's chat template")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
@@ -76,18 +77,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: int,
-                slots: int = 1):
-  """An engine of `slots` slots whose page pool holds a full sequence in every slot."""
+                sequences: int = 1, num_slots: Optional[int] = None):
+  """An engine for decoding `sequences` sequences, whose page pool holds a full sequence
+  in every slot.
+
+  num_slots None decodes them all at once, as many as fit the default pool budget
+  (PoolConfig: a share of free device memory, or a fixed budget on the CPU) up to
+  MAX_SLOTS; an explicit num_slots is used as given, no wider than the work.
+  """
   from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
-  from jaxrl_post.rollout.pages import cdiv
+  from jaxrl_post.rollout.engine import MAX_SLOTS, sequences_held
+  from jaxrl_post.rollout.pages import cdiv, resolve_num_pages
 
   page_size = 16
   context = model.config.max_position_embeddings
   max_seq_len = min(cdiv(longest_prompt + max_new_tokens, 64) * 64, context)
-  pages = slots * cdiv(max_seq_len, page_size) + 1  # + the page that padding writes to.
-  config = EngineConfig(num_slots=slots, decode_steps=16, prefill_chunk=256,
-                        max_seq_len=max_seq_len, max_stop_ids=max(1, num_stop_ids),
-                        pool=PoolConfig(page_size=page_size, num_pages=pages))
+  seq_pages = cdiv(max_seq_len, page_size)
+  config = EngineConfig(num_slots=None if num_slots is None else min(num_slots, sequences),
+                        decode_steps=16, prefill_chunk=256, max_seq_len=max_seq_len,
+                        max_stop_ids=max(1, num_stop_ids))
+  budget = resolve_num_pages(PoolConfig(page_size=page_size), model.config,
+                             model.config.compute_dtype)
+  held = max(1, sequences_held(budget, seq_pages))  # One sequence even past the budget.
+  config = config.sized_for(sequences, capacity=min(held, MAX_SLOTS))
+  pages = config.num_slots * seq_pages + 1  # + the page that padding writes to.
+  config = dataclasses.replace(config, pool=PoolConfig(page_size=page_size, num_pages=pages))
   return Engine.from_model(model, config)
 
 
@@ -234,7 +248,7 @@ def _check_batch_args(args: argparse.Namespace) -> None:
     raise UserError("--json is for --prompt; --prompts writes JSON lines to --out")
   if args.n < 1:
     raise UserError(f"--n must be >= 1, got {args.n}")
-  if args.num_slots < 1:
+  if args.num_slots is not None and args.num_slots < 1:
     raise UserError(f"--num-slots must be >= 1, got {args.num_slots}")
   out = args.out
   if os.path.isdir(out):
@@ -266,9 +280,8 @@ def run_batch(args: argparse.Namespace) -> dict:
     raise UserError(f"{args.prompts}: no usable rows ({_counts(skipped)})")
   sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
                             stop_ids=tok.stop_ids)
-  slots = min(args.num_slots, len(rows) * args.n)  # No wider than the work.
   engine = _engine_for(model, max(len(r.ids) for r in rows), sampling.max_tokens,
-                       len(tok.stop_ids), slots)
+                       len(tok.stop_ids), len(rows) * args.n, args.num_slots)
   completions = _decode_all(engine, rows, sampling, args.n, args.seed)
   _write_rows(args.out, (_output_row(r, c, tok) for r, c in zip(rows, completions)))
   return {"rows": len(rows), "completions": len(rows) * args.n, "out": args.out,

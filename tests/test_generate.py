@@ -173,3 +173,21 @@ def test_batch_argument_mistakes_exit_2_with_one_line(case, tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.startswith("error: ") and err.count("\n") == 1 and want in err, err
   assert not os.path.exists(out)
+
+
+def test_batch_engine_decodes_every_completion_at_once_unless_num_slots_is_given():
+  model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
+  # 40 rows x --n 2 of a short prompt: one slot per completion, the pool holding them all.
+  eng = generate._engine_for(model, 12, 20, 1, sequences=80)
+  assert eng.num_slots == 80 and eng.allocs[0].usable == 80 * eng.max_pages
+  assert generate._engine_for(model, 12, 20, 1, sequences=80, num_slots=32).num_slots == 32
+  assert generate._engine_for(model, 12, 20, 1, sequences=3, num_slots=32).num_slots == 3
+  from jaxrl_post.rollout.engine import MAX_SLOTS
+  assert generate._engine_for(model, 12, 20, 1, sequences=5000).num_slots == MAX_SLOTS
+
+
+def test_num_slots_below_one_is_a_one_line_error(tmp_path, capsys):
+  prompts = _write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
+  assert generate.main(["--model", LLAMA_DIR, "--prompts", prompts, "--out",
+                        str(tmp_path / "out.jsonl"), "--num-slots", "0"]) == 2
+  assert capsys.readouterr().err == "error: --num-slots must be >= 1, got 0\n"

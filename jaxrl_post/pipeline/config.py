@@ -75,7 +75,8 @@ class RolloutSpec:
     group_size: K, samples per prompt (GRPO's group).
     max_new_tokens: completion budget.
     temperature, top_k, top_p: sampling (the trainer uses the same temperature).
-    engine: decode slots, pool and shapes.
+    engine: decode slots, pool and shapes; num_slots None decodes a whole step at once
+      (prompts_per_step x group_size slots).
     scheduler: prefill/decode interleaving.
   """
 
@@ -95,6 +96,10 @@ class RolloutSpec:
                         f"got {getattr(self, name)!r}")
     if self.temperature <= 0:
       raise UserError(f"rollout spec: temperature must be > 0, got {self.temperature}")
+    # Resolved here, not in the loop, so every reader of the spec (the loop, evaluation,
+    # the planner) sees the same concrete slot count.
+    sized = self.engine.sized_for(self.prompts_per_step * self.group_size)
+    object.__setattr__(self, "engine", sized)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,13 @@ _MIN_CHUNK = 8  # Prefill chunk shapes: see _chunk_width.
 # at once either way. In bench_generate's calls of 16 short uneven chunks, rows of 24 read
 # 6% fewer keys x positions than rows of 32.
 _PACKED_ROW = 24
+# Most slots an engine sizes itself (num_slots None, see Engine): a slot is a few small
+# rows of host and device state, and slots beyond the live sequences cost nothing in a
+# compacted decode step, but each one still widens every cascade step and page table.
+MAX_SLOTS = 512
+# Fewest slots such an engine gets: a pool too small for that many sequences of its
+# max_seq_len still holds that many shorter ones, which is the usual case.
+_MIN_SLOTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +70,11 @@ class EngineConfig:
   """Shapes and budgets of the rollout engine (a change recompiles).
 
   Attributes:
-    num_slots: sequences decoded together (the decode batch).
+    num_slots: sequences decoded together (the decode batch). None sizes it from the work:
+      `sized_for(sequences)` gives one slot per sequence (the training loop: prompts per
+      step x group size; `generate` and the generate CLI: requests x n, as many as the
+      pool holds); an Engine built with None takes as many sequences of its max_seq_len
+      as its pool holds (at least 8, at most MAX_SLOTS).
     decode_steps: decode steps per device call; the host sees tokens once per call.
     prefill_chunk: most prompt tokens of one prompt written per prefill call.
     prefill_rows: most prompts prefilled together in one call, per data shard; their
@@ -84,8 +95,9 @@ class EngineConfig:
     decode_buckets: a decode step runs only the live slots of each data shard, padded to
       the narrowest of this many evenly spaced widths (see rollout.compact): slots that
       finished or wait to be refilled cost nothing. 1 runs every slot at every step; each
-      width is one more compiled copy of the decode step. Cascade decode (group_slots)
-      always runs every slot.
+      width is one more compiled copy of the decode step (a branch of the one decode
+      program, so no more programs; widths never exceed the slots per data shard).
+      Cascade decode (group_slots) always runs every slot.
     prefix_cache: keep prefilled prompts' whole pages, so later prompts that start with
       the same tokens (a chat template, a system prompt, a few-shot preamble) reuse their
       K/V instead of prefilling it, to the token (a page that matches in part is copied;
@@ -93,7 +105,7 @@ class EngineConfig:
       until the pool runs short, the weights change, or `drop_prefix_cache`.
   """
 
-  num_slots: int = 8
+  num_slots: int | None = None
   decode_steps: int = 16
   prefill_chunk: int = 256
   prefill_rows: int = 8
@@ -103,20 +115,38 @@ class EngineConfig:
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
   group_slots: int = 0
-  decode_buckets: int = 4
+  # 16 widths decoded fastest in scripts/bench_generate.py on a CPU (300 prompts at once).
+  decode_buckets: int = 16
   prefix_cache: bool = False
 
   def __post_init__(self):
     for name in ("num_slots", "decode_steps", "prefill_chunk", "prefill_rows",
                  "max_stop_ids", "min_table_pages", "decode_buckets"):
-      if getattr(self, name) < 1:
-        raise UserError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise UserError(f"engine config: {name} must be >= 1, got {value}")
     if self.group_slots < 0:
       raise UserError(f"engine config: group_slots must be >= 0 (0 = off), "
                       f"got {self.group_slots}")
-    if self.group_slots and self.num_slots % self.group_slots:
+    if self.group_slots and self.num_slots is not None and self.num_slots % self.group_slots:
       raise UserError(f"engine config: num_slots ({self.num_slots}) must be a multiple of "
                       f"group_slots ({self.group_slots})")
+
+  def sized_for(self, num_sequences: int, capacity: int | None = None) -> "EngineConfig":
+    """This config with slots for decoding num_sequences at once.
+
+    An explicit num_slots wins unchanged. None becomes num_sequences, at most `capacity`
+    (the sequences the KV pool holds; None: no cap), rounded up to whole group_slots
+    blocks: slots are fixed when the Engine is built, so callers that know the work size
+    it here first.
+    """
+    if num_sequences < 1:
+      raise UserError(f"engine config: sized_for needs >= 1 sequence, got {num_sequences}")
+    if self.num_slots is not None:
+      return self
+    slots = max(1, min(num_sequences, num_sequences if capacity is None else capacity))
+    block = self.group_slots or 1
+    return dataclasses.replace(self, num_slots=-(-slots // block) * block)
 
 
 class SlotState(NamedTuple):
@@ -419,6 +449,10 @@ class Engine:
     context = model_config.max_position_embeddings
     self.max_seq_len = min(config.max_seq_len or context, context)
     self.max_pages = cdiv(self.max_seq_len, self.page_size)
+    if config.num_slots is None:  # No work in sight: as many as the pool holds.
+      held = self.shards * sequences_held(num_pages, self.max_pages)
+      config = config.sized_for(MAX_SLOTS, capacity=min(MAX_SLOTS, max(_MIN_SLOTS, held)))
+      self.config = config
     self.num_slots = shard_count(config.num_slots, self.shards, config.group_slots)
     self.slots_per_shard = self.num_slots // self.shards
     self._slots = _host_slots(self.num_slots, self.max_pages, config.max_stop_ids)
@@ -912,6 +946,12 @@ class Engine:
 
 
 # ---------------------------------------------------------------------- high-level API
+
+
+def sequences_held(num_pages: int, seq_pages: int) -> int:
+  """Sequences of seq_pages pages each that a pool of num_pages holds at once (page 0 is
+  the write sink, never handed out)."""
+  return (num_pages - 1) // seq_pages
 
 
 def request_seed(base_seed: int, index: int) -> int:

@@ -1,5 +1,7 @@
 """The engine against the dense-cache reference decoder and a full forward."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -7,8 +9,11 @@ import pytest
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.decode import generate_dense
 from jaxrl_post.models.transformer import init_model, params_of
-from jaxrl_post.rollout import Request, SamplingParams, Scheduler, SchedulerConfig, generate
+from jaxrl_post.rollout import (Engine, EngineConfig, PoolConfig, Request, SamplingParams,
+                                Scheduler, SchedulerConfig, generate)
+from jaxrl_post.rollout.engine import MAX_SLOTS, sequences_held
 from jaxrl_post.rollout.layout import RolloutLayout
+from jaxrl_post.rollout.pages import resolve_num_pages
 from tests.rollout import helpers as H
 from tests.tpu import tpu_mesh
 
@@ -161,3 +166,44 @@ def test_overlap_is_on_for_accelerators_and_off_on_a_cpu_by_default():
   assert SchedulerConfig().overlaps(tpu) is True
   assert SchedulerConfig(overlap=True).overlaps(cpu) is True
   assert SchedulerConfig(overlap=False).overlaps(tpu) is False
+
+
+def _peak_live(eng, prompts, n, sampling):
+  """Most sequences decoding at once while generating n samples of each prompt."""
+  sched, peak = Scheduler(eng), 0
+  for i, p in enumerate(prompts):
+    sched.submit(p, sampling, n=n, seed=i)
+  while not sched.idle:
+    sched.step()
+    peak = max(peak, sum(s is not None for s in sched.slots))
+  return peak
+
+
+def test_a_default_config_sized_for_the_work_decodes_it_all_at_once():
+  """EngineConfig() sized for 40 prompts x 2 samples: all 80 decode together in the
+  default CPU pool; an explicit num_slots is kept as given."""
+  prompts = H.prompts(np.random.default_rng(3), [5 + i % 11 for i in range(40)])
+  sampling = SamplingParams(temperature=1.0, max_tokens=100)
+  default = EngineConfig(max_seq_len=128)
+  budget = resolve_num_pages(default.pool, H.CFG, H.CFG.compute_dtype)
+  assert sequences_held(budget, 128 // default.pool.page_size) >= 80  # Nothing caps it.
+  eng = Engine.from_model(H.model(), default.sized_for(40 * 2, capacity=MAX_SLOTS))
+  assert eng.num_slots == 80
+  assert _peak_live(eng, prompts, 2, sampling) == 80
+  explicit = dataclasses.replace(default, num_slots=8)
+  assert explicit.sized_for(80) is explicit
+  assert _peak_live(Engine.from_model(H.model(), explicit), prompts[:8], 2, sampling) == 8
+
+
+def test_unsized_slots_follow_the_pool_and_bad_values_are_user_errors():
+  # 8 pages of 4 tokens per sequence of 32: a pool of 8 * 20 + 1 pages holds 20 of them.
+  pool = PoolConfig(page_size=4, num_pages=8 * 20 + 1)
+  assert H.engine(num_slots=None, max_seq_len=32, pool=pool).num_slots == 20
+  small = PoolConfig(page_size=4, num_pages=17)  # Two sequences: the floor of 8 slots.
+  assert H.engine(num_slots=None, max_seq_len=32, pool=small).num_slots == 8
+  assert EngineConfig(group_slots=4).sized_for(10).num_slots == 12  # Whole blocks.
+  assert EngineConfig().sized_for(1000, capacity=300).num_slots == 300
+  with pytest.raises(UserError, match="num_slots must be >= 1, got 0"):
+    EngineConfig(num_slots=0)
+  with pytest.raises(UserError, match="needs >= 1 sequence"):
+    EngineConfig().sized_for(0)
