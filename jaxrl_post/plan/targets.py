@@ -195,7 +195,10 @@ def compile_only_tpu_env() -> None:
 
 def has_cuda_compiler() -> bool:
   """Whether jax's CUDA plugin is installed (the `gpu-plan` extra) to compile for GPUs."""
-  return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:  # no jax plugin package at all
+    return False
 
 
 def prepare(target: Target) -> None:
