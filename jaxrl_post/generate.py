@@ -36,12 +36,11 @@ from typing import Any, Optional
 
 from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
+from jaxrl_post.rewards import jsonl
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# Why a --prompts row was skipped (the names the tasks' JSONL loader uses where they agree).
-INVALID_JSON = "invalid_json"  # Not JSON, or not UTF-8.
-NOT_AN_OBJECT = "not_an_object"
+# Why a --prompts row was skipped, beside rewards.jsonl's INVALID_JSON and NOT_AN_OBJECT.
 MISSING_FIELD = "missing_field"  # No "prompt" / "question" / "problem" / "messages", or empty.
 BAD_MESSAGES = "bad_messages"  # "messages" is not a list of {"role": str, "content": str}.
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # The model's template refused the messages.
@@ -146,14 +145,6 @@ def run(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------ batch
 
 
-class _Skip(Exception):
-  """A --prompts row that cannot be used; `reason` is one of the skip reasons above."""
-
-  def __init__(self, reason: str):
-    super().__init__(reason)
-    self.reason = reason
-
-
 @dataclasses.dataclass
 class PromptRow:
   """A usable --prompts row: its 1-based line, what it asked ({"prompt": text} or
@@ -166,44 +157,28 @@ class PromptRow:
 
 def read_prompt_rows(path: str, skipped: collections.Counter) -> list[PromptRow]:
   """The usable rows of a prompts file; the others are counted into `skipped` by reason."""
-  try:
-    handle = open(path, "rb")  # Bytes: a bad UTF-8 line is one skipped row, not a crash.
-  except FileNotFoundError:
-    raise UserError(f"{path}: no such file (--prompts)") from None
-  except IsADirectoryError:
-    raise UserError(f"{path}: is a directory, expected a JSONL file (--prompts)") from None
-  except OSError as e:
-    raise UserError(f"{path}: cannot be read ({e.strerror})") from None
   rows = []
-  with handle:
-    for line, raw in enumerate(handle, 1):
-      if not raw.strip():
-        continue  # Blank lines (a trailing newline, say) are not rows.
-      try:
-        rows.append(PromptRow(line, _parse_prompt_row(raw)))
-      except _Skip as skip:
-        skipped[skip.reason] += 1
+  for line, raw in jsonl.lines(path, flag="--prompts"):
+    try:
+      rows.append(PromptRow(line, _parse_prompt_row(raw)))
+    except jsonl.Skip as skip:
+      skipped[skip.reason] += 1
   if not rows:
     raise UserError(f"{path}: no usable rows ({_counts(skipped) or 'the file is empty'})")
   return rows
 
 
 def _parse_prompt_row(raw: bytes) -> dict[str, Any]:
-  try:
-    row = json.loads(raw)
-  except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from it.
-    raise _Skip(INVALID_JSON) from None
-  if not isinstance(row, dict):
-    raise _Skip(NOT_AN_OBJECT)
+  row = jsonl.json_object(raw)
   if "messages" in row:
     return {"messages": _messages(row["messages"])}
   for key in _TEXT_FIELDS:  # The first one present is the prompt, valid or not.
     if key in row:
       text = row[key]
       if not isinstance(text, str) or not text.strip():
-        raise _Skip(MISSING_FIELD)
+        raise jsonl.Skip(MISSING_FIELD)
       return {"prompt": text}  # Unstripped: a completion prompt's spacing matters.
-  raise _Skip(MISSING_FIELD)
+  raise jsonl.Skip(MISSING_FIELD)
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -211,7 +186,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
       isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
       for m in value)
   if not ok:
-    raise _Skip(BAD_MESSAGES)
+    raise jsonl.Skip(BAD_MESSAGES)
   return value
 
 

@@ -16,18 +16,17 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
-import gzip
 import hashlib
 import importlib.resources
 import importlib.util
-import json
 import math
 import os
 import re
 import textwrap
-from typing import ClassVar, Iterator, NamedTuple, Optional, Sequence
+from typing import ClassVar, NamedTuple, Optional, Sequence
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.rewards import jsonl
 from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
 from jaxrl_post.rewards.sandbox import Limits, Result, run_program
 
@@ -39,8 +38,7 @@ DEFAULT_TEMPLATE = (
     "included, in one ```python code block.\n\n```python\n{code}```")
 
 # Skip reasons, the keys of `HumanEvalTask.skipped`.
-INVALID_JSON = "invalid_json"
-NOT_AN_OBJECT = "not_an_object"
+INVALID_JSON, NOT_AN_OBJECT = jsonl.INVALID_JSON, jsonl.NOT_AN_OBJECT
 MISSING_FIELD = "missing_field"  # Absent, empty or not a string.
 BAD_ENTRY_POINT = "bad_entry_point"  # Not an identifier: it is pasted into `check(...)`.
 DUPLICATE_ID = "duplicate_id"
@@ -189,10 +187,10 @@ def packaged_data_path() -> str:
 def _load(path: str, skipped: collections.Counter[str]) -> list[_Row]:
   """The valid rows of a HumanEval-format file; invalid ones are counted by reason."""
   rows, seen, here = [], set(), collections.Counter()
-  for raw in _lines(path):
+  for _, raw in jsonl.lines(path, kind="a HumanEval JSONL file"):
     try:
       row = _parse_row(raw)
-    except _Skip as skip:
+    except jsonl.Skip as skip:
       here[skip.reason] += 1
       continue
     if row.task_id in seen:
@@ -207,41 +205,14 @@ def _load(path: str, skipped: collections.Counter[str]) -> list[_Row]:
   return rows
 
 
-def _lines(path: str) -> Iterator[bytes]:
-  """Non-blank lines as bytes, so a bad UTF-8 line is one skipped row, not a crash."""
-  opener = gzip.open if path.endswith(".gz") else open
-  try:
-    with opener(path, "rb") as handle:
-      for raw in handle:
-        if raw.strip():
-          yield raw
-  except FileNotFoundError:
-    raise UserError(f"{path}: no such file") from None
-  except IsADirectoryError:
-    raise UserError(f"{path}: is a directory, expected a HumanEval JSONL file") from None
-  except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut file, EOFError.
-    raise UserError(f"{path}: cannot be read ({e})") from None
-
-
-class _Skip(Exception):
-  def __init__(self, reason: str):
-    super().__init__(reason)
-    self.reason = reason
-
-
 def _parse_row(raw: bytes) -> _Row:
-  try:
-    row = json.loads(raw)
-  except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from it.
-    raise _Skip(INVALID_JSON) from None
-  if not isinstance(row, dict):
-    raise _Skip(NOT_AN_OBJECT)
+  row = jsonl.json_object(raw)
   values = [row.get(field) for field in _FIELDS]
   if not all(isinstance(v, str) and v.strip() for v in values):
-    raise _Skip(MISSING_FIELD)
+    raise jsonl.Skip(MISSING_FIELD)
   parsed = _Row(*values)
   if not parsed.entry_point.isidentifier():
-    raise _Skip(BAD_ENTRY_POINT)
+    raise jsonl.Skip(BAD_ENTRY_POINT)
   return parsed
 
 

@@ -11,19 +11,18 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import re
 from typing import Any, ClassVar, NamedTuple, Sequence
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.rewards import jsonl
 from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
 
 FORMATS = ("auto", "gsm8k", "math", "prompt_answer")
 
 # Skip reasons, the keys of `JsonlTask.skipped`.
-INVALID_JSON = "invalid_json"
-NOT_AN_OBJECT = "not_an_object"
+INVALID_JSON, NOT_AN_OBJECT = jsonl.INVALID_JSON, jsonl.NOT_AN_OBJECT
 UNKNOWN_FORMAT = "unknown_format"  # "auto" found none of question / problem / prompt.
 MISSING_FIELD = "missing_field"  # Absent, empty or not a string.
 NO_FINAL_ANSWER = "no_final_answer"  # GSM8K answer without "#### <answer>".
@@ -31,14 +30,6 @@ NO_BOXED_ANSWER = "no_boxed_answer"  # MATH solution without a closed \boxed{}, 
 DUPLICATE_OF_EVAL = "duplicate_of_eval"  # A train row whose question is also in eval.
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-class _Skip(Exception):
-  """A row that cannot be used; `reason` is one of the skip reasons above."""
-
-  def __init__(self, reason: str):
-    super().__init__(reason)
-    self.reason = reason
 
 
 class _Row(NamedTuple):
@@ -129,23 +120,12 @@ class JsonlTask:
 
 def _load(path: str, fmt: str, skipped: collections.Counter[str]) -> list[_Row]:
   """The valid rows of one file; invalid ones are counted into `skipped` by reason."""
-  try:
-    handle = open(path, "rb")  # Bytes: a bad UTF-8 line is one skipped row, not a crash.
-  except FileNotFoundError:
-    raise UserError(f"{path}: no such file") from None
-  except IsADirectoryError:
-    raise UserError(f"{path}: is a directory, expected a JSONL file") from None
-  except OSError as e:
-    raise UserError(f"{path}: cannot be read ({e.strerror})") from None
   rows, here = [], collections.Counter()
-  with handle:
-    for line, raw in enumerate(handle, 1):
-      if not raw.strip():
-        continue  # Blank lines (a trailing newline, say) are not rows.
-      try:
-        rows.append(_Row(line, *_parse_row(raw, fmt)))
-      except _Skip as skip:
-        here[skip.reason] += 1
+  for line, raw in jsonl.lines(path):
+    try:
+      rows.append(_Row(line, *_parse_row(raw, fmt)))
+    except jsonl.Skip as skip:
+      here[skip.reason] += 1
   skipped.update(here)
   if not rows:
     counts = ", ".join(f"{k}={v}" for k, v in sorted(here.items())) or "the file is empty"
@@ -154,13 +134,8 @@ def _load(path: str, fmt: str, skipped: collections.Counter[str]) -> list[_Row]:
 
 
 def _parse_row(raw: bytes, fmt: str) -> tuple[str, str]:
-  """(question, gold answer) of one JSONL line; raises _Skip with the reason otherwise."""
-  try:
-    row = json.loads(raw)
-  except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from it.
-    raise _Skip(INVALID_JSON) from None
-  if not isinstance(row, dict):
-    raise _Skip(NOT_AN_OBJECT)
+  """(question, gold answer) of one JSONL line; raises jsonl.Skip with the reason otherwise."""
+  row = jsonl.json_object(raw)
   if fmt == "auto":
     fmt = _detect(row)
   if fmt == "gsm8k":
@@ -171,7 +146,7 @@ def _parse_row(raw: bytes, fmt: str) -> tuple[str, str]:
       return question, _text(row, "answer")
     boxed = last_boxed(_text(row, "solution"))
     if boxed is None:
-      raise _Skip(NO_BOXED_ANSWER)
+      raise jsonl.Skip(NO_BOXED_ANSWER)
     return question, boxed
   return _text(row, "prompt"), _text(row, "answer")
 
@@ -180,14 +155,14 @@ def _detect(row: dict[str, Any]) -> str:
   for key, fmt in (("question", "gsm8k"), ("problem", "math"), ("prompt", "prompt_answer")):
     if key in row:
       return fmt
-  raise _Skip(UNKNOWN_FORMAT)
+  raise jsonl.Skip(UNKNOWN_FORMAT)
 
 
 def _has_text(row: dict[str, Any], key: str) -> bool:
   try:
     _text(row, key)
     return True
-  except _Skip:
+  except jsonl.Skip:
     return False
 
 
@@ -197,17 +172,17 @@ def _text(row: dict[str, Any], key: str) -> str:
   if isinstance(value, (int, float)) and not isinstance(value, bool):
     value = str(value)
   if not isinstance(value, str) or not value.strip():
-    raise _Skip(MISSING_FIELD)
+    raise jsonl.Skip(MISSING_FIELD)
   return value.strip()
 
 
 def _gsm8k_answer(answer: str) -> str:
   """The number after the last "####": "... #### 1,234" -> "1234"."""
   if "####" not in answer:
-    raise _Skip(NO_FINAL_ANSWER)
+    raise jsonl.Skip(NO_FINAL_ANSWER)
   final = answer.rsplit("####", 1)[1].strip().replace(",", "").strip("$ ").rstrip(".")
   if not final:
-    raise _Skip(NO_FINAL_ANSWER)
+    raise jsonl.Skip(NO_FINAL_ANSWER)
   return final
 
 
