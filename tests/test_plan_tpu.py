@@ -27,19 +27,20 @@ def test_train_step_compiles_for_tpu_with_the_splash_kernel_inside_shard_map():
   mesh = make_mesh(MeshConfig(fsdp=-1), tpu_devices("v5e:2x2"))
   # Rows longer than TrainingAttention.plain_max_len take the kernel path.
   m = plan.train_step_memory(CFG, TrainerConfig(row_tokens=1024), mesh, rows=4,
-                             completion_len=256)
+                             completion_len=256, analyse=True)
   assert any(k.endswith("mosaic") for k in m.compiled.kernels), m.compiled.kernels
   assert m.compiled.cost.flops > 0 and m.peak_bytes > 0
 
 
 def test_decode_loop_compiles_for_tpu_with_the_paged_mosaic_kernel():
   mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=1), tpu_devices("v5e:2x2"))
-  m = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, mesh=mesh, steps=4)
+  m = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, mesh=mesh, steps=4,
+                              analyse=True)
   assert "paged_attention mosaic" in m.kernels
   # The same program traced over CPU devices keeps the jnp path: the mesh decides.
   cpu = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, steps=4,
                                 mesh=make_mesh(MeshConfig(data=2, tensor=2, fsdp=1),
-                                               jax.devices()[:4]))
+                                               jax.devices()[:4]), analyse=True)
   assert cpu.kernels == ()
 
 

@@ -16,6 +16,7 @@ check), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -118,7 +119,6 @@ def _out_of_memory(args, target, devices: int, message: str) -> int:
 
 
 def _per_device(chip, share: float):
-  import dataclasses
   return dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * share,
                              hbm_bytes_per_s=chip.hbm_bytes_per_s * share,
                              bf16_flops_per_s=chip.bf16_flops_per_s * share)

@@ -61,8 +61,9 @@ class CompiledMemory:
       loop body once: scanned layers and micro-batches are undercounted, so compare
       programs of one structure (the same step on 1 and 8 devices), not absolute FLOPs.
     cost: FLOPs, memory bytes and collective bytes per device with every loop counted
-      by its trip count (plan.hlo_cost), for predicting times.
-    kernels: the Pallas kernels the compiled program calls, e.g. "paged_attention mosaic".
+      by its trip count (plan.hlo_cost), for predicting times (None unless analysed).
+    kernels: the Pallas kernels the compiled program calls, e.g. "paged_attention mosaic"
+      (empty unless analysed).
   """
 
   argument_bytes: int
@@ -166,17 +167,19 @@ def _spec(names, shape, mesh: Mesh, rules) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(names, shape, rules, mesh))
 
 
-def compiled_memory(compiled) -> CompiledMemory:
-  """CompiledMemory of a `jax.stages.Compiled`."""
+def compiled_memory(compiled, analyse: bool = False) -> CompiledMemory:
+  """CompiledMemory of a `jax.stages.Compiled`; with `analyse`, also its loop-counted cost
+  and kernels, read from the program's text (a pass over all of it: the run's pool sizing
+  at start-up needs only the memory figures)."""
   m = compiled.memory_analysis()
-  text = compiled.as_text()
+  text = compiled.as_text() if analyse else None
   return CompiledMemory(argument_bytes=int(m.argument_size_in_bytes),
                         output_bytes=int(m.output_size_in_bytes),
                         temp_bytes=int(m.temp_size_in_bytes),
                         generated_code_bytes=int(m.generated_code_size_in_bytes),
                         alias_bytes=int(m.alias_size_in_bytes),
-                        flops=_flops(compiled), cost=program_cost(text),
-                        kernels=kernels_in(text))
+                        flops=_flops(compiled), cost=program_cost(text) if analyse else None,
+                        kernels=kernels_in(text) if analyse else ())
 
 
 def _flops(compiled) -> float:
@@ -334,7 +337,8 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
                       mesh: Optional[Mesh] = None, rows: int = 1,
                       row_tokens: Optional[int] = None, completion_len: int = 512,
                       micro_batches: int = 1, sequences: Optional[int] = None,
-                      largest: int = 0, reference_dtype="float32") -> TrainStepMemory:
+                      largest: int = 0, reference_dtype="float32",
+                      analyse: bool = False) -> TrainStepMemory:
   """Compiles one optimizer step on abstract inputs and reads its per-device memory.
 
   The step is the trainer's whole minibatch program: the reference forward included, with
@@ -352,6 +356,7 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
     sequences: B, trajectories per micro-batch; default: one per row.
     largest: also report this many of the step's largest allocations.
     reference_dtype: the frozen reference's dtype (ReferenceSpec.dtype).
+    analyse: also read the step's loop-counted cost and kernels (see compiled_memory).
   """
   mesh = mesh or single_device_mesh()
   row_tokens = row_tokens or trainer_cfg.row_tokens
@@ -364,7 +369,7 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
   reference = abstract_reference(trainer, mesh, reference_dtype)
   compiled, allocations = compile_with_allocations(
       lower_train_step(trainer, state, batch, reference), largest)
-  return TrainStepMemory(compiled=compiled_memory(compiled),
+  return TrainStepMemory(compiled=compiled_memory(compiled, analyse),
                          params_bytes=device_bytes(state.params),
                          frozen_bytes=device_bytes(state.frozen),
                          opt_state_bytes=device_bytes(state.opt_state),
@@ -555,7 +560,7 @@ def _lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layou
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
                        page_size: int = 16, table_pages: int = 16, steps: int = 16,
                        kv_dtype="bfloat16", weight_dtype="bfloat16", max_stop_ids: int = 8,
-                       mesh: Optional[Mesh] = None) -> CompiledMemory:
+                       mesh: Optional[Mesh] = None, analyse: bool = False) -> CompiledMemory:
   """Compiles the rollout engine's multi-step decode loop on abstract arrays.
 
   Plain paged attention (no shared prefix): the cascade path adds only small tables.
@@ -573,10 +578,11 @@ def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: 
     weight_dtype: the rollout weights' dtype.
     max_stop_ids: stop ids per slot.
     mesh: the rollout mesh (None: one device). Used only by an engine that takes a layout.
+    analyse: also read the loop's cost and kernels (see compiled_memory).
   """
   layout = _engine_layout(model_cfg, mesh)
   params, pool, state = _decode_operands(model_cfg, num_slots, pages_per_shard, page_size,
                                          table_pages, kv_dtype, weight_dtype, max_stop_ids,
                                          mesh, layout)
   return compiled_memory(_lower_decode(model_cfg, params, pool, state, steps,
-                                       layout).compile())
+                                       layout).compile(), analyse)

@@ -115,13 +115,13 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                    completion_len=s.completion_len,
                                    micro_batches=exp.trainer.micro_batches,
                                    sequences=s.sequences, largest=largest,
-                                   reference_dtype=exp.reference.dtype)
+                                   reference_dtype=exp.reference.dtype, analyse=True)
   train_filled = train.compiled
   if s.rows_filled != s.rows:
     train_filled = memory.train_step_memory(
         cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
         micro_batches=exp.trainer.micro_batches, sequences=s.sequences,
-        reference_dtype=exp.reference.dtype).compiled
+        reference_dtype=exp.reference.dtype, analyse=True).compiled
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   wdt = exp.sync.rollout_dtype
   pages = 1 + (s.num_slots // layout.data_shards) * s.table_pages  # the sink page too
@@ -132,8 +132,8 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
   steps = exp.rollout.engine.decode_steps
   r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
   decode = compiled_memory(memory._lower_decode(cfg, params, pool, state, steps, layout,
-                                                r.top_k > 0 or r.top_p < 1).compile())
-  prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile())
+                                                r.top_k > 0 or r.top_p < 1).compile(), analyse=True)
+  prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile(), analyse=True)
   sync, sync_bytes = _compile_sync(exp, cfg, meshes)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
                   prefill=prefill,
@@ -183,7 +183,7 @@ def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes) -> tuple[CompiledMemory
     lowered = inner._sync.lower(train, rollout)
   else:
     lowered = inner._first.lower(train)
-  return compiled_memory(lowered.compile()), inner.bytes_per_sync
+  return compiled_memory(lowered.compile(), analyse=True), inner.bytes_per_sync
 
 
 def _placed(tree, shardings, dtype=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 from jaxrl_post.plan.memory import GB, CompiledMemory
@@ -224,7 +225,6 @@ def local_chip(devices, measured_flops: float, measured_bw: float,
                capacity: Optional[float]) -> Chip:
   """The local devices as a Chip: peaks measured on them, capacity from memory_stats
   (host memory where the backend reports none)."""
-  import os
   cap = capacity or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(devices)
   return Chip(name=f"local {devices[0].device_kind}", platform=devices[0].platform,
               hbm_bytes=float(cap), hbm_bytes_per_s=measured_bw,
