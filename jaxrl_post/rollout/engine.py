@@ -144,7 +144,7 @@ class EngineConfig:
       raise UserError(f"engine config: sized_for needs >= 1 sequence, got {num_sequences}")
     if self.num_slots is not None:
       return self
-    slots = max(1, min(num_sequences, num_sequences if capacity is None else capacity))
+    slots = num_sequences if capacity is None else max(1, min(num_sequences, capacity))
     block = self.group_slots or 1
     return dataclasses.replace(self, num_slots=-(-slots // block) * block)
 
