@@ -18,12 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import inspect
 import math
-import os
-import re
 import tempfile
+
 from typing import Optional
 
 import jax
@@ -33,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
+from jaxrl_post.plan.buffers import Allocation, largest_allocations, reported_allocations
 from jaxrl_post.plan.hlo_cost import ProgramCost, kernels_in, program_cost
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
@@ -41,6 +40,7 @@ from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerCo
                                    TrainState, optimizer_state_shardings)
 from jaxrl_post.rollout.pages import page_bytes
 from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
+                                 mesh_platform,
                                  logical_to_spec, make_mesh, tree_shardings)
 
 GB = 1e9
@@ -84,19 +84,6 @@ class CompiledMemory:
     size is left out (it is not device memory on GPU/TPU).
     """
     return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Allocation:
-  """One buffer of XLA's assignment: its size and the values that share it over time.
-
-  Attributes:
-    bytes: the allocation's size (as XLA's report rounds it).
-    values: the shapes of the values placed in it, e.g. "5xf32[32,4096,1792], bf16[8]".
-  """
-
-  bytes: int
-  values: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,37 +177,17 @@ def _flops(compiled) -> float:
   return float((cost or {}).get("flops", 0.0))
 
 
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_REPORT_ROW = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*\d+;\s*\d+;\s*(.*)$")
-
-
-def _largest_allocations(dump_dir: str, top: int) -> tuple[Allocation, ...]:
-  """The `top` largest allocations of the default memory space, from the memory-usage
-  report XLA writes beside a dumped module (the first table; later ones are sub-buffers)."""
-  reports = sorted(glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt")))
-  if not reports:
-    return ()
-  rows = []
-  with open(reports[0]) as f:
-    for line in f:
-      if rows and not line.strip():
-        break
-      match = _REPORT_ROW.match(line)
-      if match:
-        size, unit, values = match.groups()
-        rows.append(Allocation(int(float(size) * _UNITS.get(unit, 1)),
-                               values.strip().replace("\u00d7", "x")))
-  return tuple(sorted(rows, key=lambda a: -a.bytes)[:top])
-
-
-def compile_with_allocations(lowered, top: int = 0):
-  """(compiled, its `top` largest allocations): XLA dumps the module into a scratch
-  directory for this one compile, so the report costs nothing when top is 0."""
-  if top <= 0:
-    return lowered.compile(), ()
+def compile_with_allocations(lowered, top: int = 0, platform: str = "cpu"):
+  """(compiled, its `top` largest allocations) for a program built for `platform`: read
+  from the executable's buffer assignment where XLA's CPU and GPU clients report it;
+  libtpu reports none, so a TPU program is compiled with its module dumped (which writes
+  text files only) and the allocations are read from the memory-usage report beside it."""
+  if top <= 0 or platform != "tpu":
+    compiled = lowered.compile()
+    return compiled, largest_allocations(compiled, top)
   with tempfile.TemporaryDirectory() as scratch, _persistent_cache_off():
     compiled = lowered.compile(compiler_options={"xla_dump_to": scratch})
-    return compiled, _largest_allocations(scratch, top)
+    return compiled, reported_allocations(scratch, top)
 
 
 @contextlib.contextmanager
@@ -368,7 +335,7 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
                               completion_len, head, getattr(trainer, "rules", TRAINING_RULES))
   reference = abstract_reference(trainer, mesh, reference_dtype)
   compiled, allocations = compile_with_allocations(
-      lower_train_step(trainer, state, batch, reference), largest)
+      lower_train_step(trainer, state, batch, reference), largest, mesh_platform(mesh))
   return TrainStepMemory(compiled=compiled_memory(compiled, analyse),
                          params_bytes=device_bytes(state.params),
                          frozen_bytes=device_bytes(state.frozen),
