@@ -79,15 +79,29 @@ def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V]
   return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
-def first_argmax(x):  # [B, V] -> [B] int32
+def first_argmax(x, best=None):  # [B, V](, [B, 1] its max) -> [B] int32
   """The first index of each row's maximum, as jnp.argmax, in two vectorised reductions
   (a max, then a min over matching indices): XLA's CPU argmax is several times slower."""
-  best = jnp.max(x, axis=-1, keepdims=True)
+  best = jnp.max(x, axis=-1, keepdims=True) if best is None else best
   index = jnp.arange(x.shape[-1], dtype=jnp.int32)
   return jnp.min(jnp.where(x == best, index, x.shape[-1] - 1), axis=-1)
 
 
-_BLOCK = 128  # Vocabulary block of the two-level inverse CDF.
+_BLOCK = 128  # Largest vocabulary block of the two-level inverse CDF.
+_MAX_VOCAB_SHARDS = 8
+
+
+def _block_size(v: int) -> int:
+  """The inverse CDF's vocabulary block: the largest power of two up to _BLOCK whose
+  blocks split evenly over up to 8 vocabulary shards, so that the blocks of a tensor-
+  parallel LM head's logits stay on their devices (128-token blocks of Llama 3's 128256
+  tokens over 4 shards straddled them, and XLA gathered the f32 logits every step). A
+  vocabulary that is not a multiple of 8 is padded to 128-token blocks. The block depends
+  on the vocabulary only: the same request draws the same tokens on any mesh."""
+  if v % _MAX_VOCAB_SHARDS:
+    return _BLOCK
+  per_shard = v // _MAX_VOCAB_SHARDS
+  return min(_BLOCK, per_shard & -per_shard)  # the largest power of two dividing it
 
 
 def _last_positive(x):  # [..., N] >= 0 -> [...] index of the last entry > 0 (0 if none)
@@ -100,23 +114,28 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
 
   The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
   CPU. Here the uniform's share of the row's mass is located first among blocks of
-  _BLOCK tokens (cumulative block masses), then inside the chosen block. Tokens of zero
-  probability are never chosen: counting "cumulative <= target" steps over them, and the
+  tokens (cumulative block masses; see _block_size), then inside the chosen block. Tokens
+  of zero probability are never chosen: counting "cumulative <= target" steps over them, and the
   indices are clipped to the last block / token with mass.
   """
   b, v = scaled.shape
-  p = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-  p = jnp.pad(p, ((0, 0), (0, -v % _BLOCK))).reshape(b, -1, _BLOCK)  # [B, nb, blk]
-  block_mass = jnp.sum(p, axis=-1)  # [B, nb]
+  blk = _block_size(v)
+  peak = jnp.max(scaled, axis=-1, keepdims=True)
+  p = jnp.exp(scaled - peak)  # Only reduced here: no [B, V] array is written.
+  block_mass = jnp.pad(p, ((0, 0), (0, -v % blk))).reshape(b, -1, blk).sum(-1)  # [B, nb]
   block_cum = jnp.cumsum(block_mass, axis=-1)
   target = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * block_cum[:, -1]  # [B]
   block = jnp.sum(block_cum <= target[:, None], axis=-1, dtype=jnp.int32)
   block = jnp.minimum(block, _last_positive(block_mass))
   take = lambda a: jnp.take_along_axis(a, block[:, None], axis=1)[:, 0]
-  inner = jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0]  # [B, blk]
+  # The chosen block's probabilities, recomputed from its blk logits rather than sliced
+  # from a [B, nb, blk] copy of p (a relayout of the whole row on a TPU).
+  index = block[:, None] * blk + jnp.arange(blk, dtype=jnp.int32)  # [B, blk]
+  logits = jnp.take_along_axis(scaled, jnp.minimum(index, v - 1), axis=-1)
+  inner = jnp.where(index < v, jnp.exp(logits - peak), 0.0)  # [B, blk]
   within = jnp.maximum(target - (take(block_cum) - take(block_mass)), 0.0)
   i = jnp.sum(jnp.cumsum(inner, axis=-1) <= within[:, None], axis=-1, dtype=jnp.int32)
-  return block * _BLOCK + jnp.minimum(i, _last_positive(inner))
+  return block * blk + jnp.minimum(i, _last_positive(inner))
 
 
 def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True):
@@ -148,8 +167,11 @@ def _logprob(scaled, tokens):  # [B, V], [B] -> [B] log softmax(scaled) at token
 
 def _greedy(logits, keys, temperature, top_k, top_p):
   del keys, temperature, top_k, top_p
-  tokens = first_argmax(logits)
-  return tokens, _logprob(logits, tokens)
+  # The argmax's logit is the row's max: log softmax there is -log sum exp(logits - max),
+  # with no gather of the chosen logits (on a TPU, a relayout of the whole row).
+  best = jnp.max(logits, axis=-1, keepdims=True)
+  total = jnp.sum(jnp.exp(logits - best), axis=-1)
+  return first_argmax(logits, best), -jnp.log(total)
 
 
 def _mixed(logits, keys, temperature, top_k, top_p, truncation=True):

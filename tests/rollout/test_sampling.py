@@ -1,9 +1,15 @@
 """sample(): per-row settings, truncation, behaviour logprobs and per-request keys."""
 
+import functools
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl_post.rollout import sampling
 from jaxrl_post.rollout.sampling import first_argmax, inverse_cdf_draw, sample, token_keys
 from tests.rollout import helpers as H
 
@@ -117,3 +123,39 @@ def test_inverse_cdf_draw_crosses_blocks_and_never_takes_excluded_tokens():
 def test_first_argmax_takes_the_first_of_tied_maxima():
   x = jnp.asarray([[1.0, 3.0, 3.0, 2.0], [-jnp.inf, -1.0, -1.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
   np.testing.assert_array_equal(np.asarray(first_argmax(x)), [1, 1, 0])
+
+
+def test_inverse_cdf_draw_with_small_blocks_matches_the_distribution():
+  # 192 tokens (a multiple of 8): blocks of 8, so that 8 vocabulary shards split them.
+  v, kept = 192, np.array([0, 7, 8, 100, 191])
+  assert sampling._block_size(v) == 8
+  logits = np.full((v,), -np.inf, np.float32)
+  logits[kept] = np.log(np.array([0.1, 0.3, 0.2, 0.25, 0.15], np.float32))
+  n = 4000
+  keys = token_keys(jnp.full((n,), 5, jnp.uint32), jnp.zeros((n,), jnp.int32),
+                    jnp.arange(n, dtype=jnp.int32))
+  tok = np.asarray(jax.jit(inverse_cdf_draw)(keys, jnp.asarray(np.tile(logits, (n, 1)))))
+  counts = np.bincount(tok, minlength=v)
+  assert counts.sum() == counts[kept].sum()
+  want = np.exp(logits[kept])
+  assert np.all(np.abs(counts[kept] / n - want) <= 5 * np.sqrt(want * (1 - want) / n))
+
+
+def test_sampling_keeps_tensor_sharded_logits_on_their_tpu_chips():
+  # 4 vocabulary shards of 96 tokens: 128-token blocks would straddle them and XLA would
+  # gather every row's f32 logits onto each chip (Llama 3's 128256 tokens over 4 chips).
+  from tests.tpu import tpu_mesh
+  mesh = tpu_mesh("v5e:2x2", tensor=4)
+  b, v = 16, 384
+  logits = jax.ShapeDtypeStruct((b, v), jnp.float32,
+                                sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
+  row = lambda dtype: jax.ShapeDtypeStruct((b,), dtype,
+                                           sharding=NamedSharding(mesh, PartitionSpec()))
+  keys = row(jax.random.key(0).dtype)
+  draw = functools.partial(sample, truncation=False)
+  hlo = jax.jit(draw).lower(logits, keys, row(jnp.float32), row(jnp.int32),
+                            row(jnp.float32)).compile().as_text()
+  gathered = [math.prod(int(d) for d in re.search(r"\[([\d,]+)\]", line).group(1).split(","))
+              for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
+  # Only the [B, blocks] block masses travel (the cumulative sum runs over all blocks).
+  assert max(gathered, default=0) <= b * v // 16, gathered
