@@ -4,7 +4,7 @@
       [--peer_python PATH | --no_peer] [--peer_batch 50] [--repeats 2]
       [--num_slots N] [--decode_steps N] [--prefill_chunk N] [--prefill_rows N]
       [--prefill_tokens_per_step N] [--page_size 16] [--decode_buckets 16]
-      [--overlap auto|on|off] [--no_prefix_cache]
+      [--overlap auto|on|off] [--no_prefix_cache] [--no_cli]
 
 The job: the embedded SmolLM2-135M-Instruct (float32 weights and compute), N distinct chat
 prompts (user turns put through the model's own chat template), greedy, at most new_tokens
@@ -31,6 +31,19 @@ new tokens, stopping at EOS. Both sides get the same prompt token ids.
   float32 on the same GGUF, left-padded batches of peer_batch prompts, `generate` with
   do_sample=False, torch threads = cores, one untimed warm-up batch. Prefill time is each
   batch's first forward (until its first new token), decode the rest.
+
+* the batch CLI, first pass (what a user meets): `python -m jaxrl_post.generate --prompts
+  FILE --out FILE --temperature 0 --max-new-tokens N` on the job's prompts (chat
+  "messages" rows) with every engine setting at its default, in a new process with an
+  empty compilation cache, timed from the interpreter's start to its exit; then the same
+  command again (second run: the cache the first pass filled). Beside it, transformers'
+  first pass in a new process: load the model, run the job once with no warm-up batch.
+  first_pass_wall_ratio is the CLI's first pass over transformers'; cli_greedy_agreement
+  compares their completions. The CLI's seconds are split into the interpreter's start,
+  set-up (imports, model load, tokenization, engine build, until the engine's first call),
+  prefill and decode calls (each with the seconds jax spent tracing, lowering and
+  compiling inside it, and the programs compiled), and the rest (the scheduler, writing
+  the output).
 
 Each side makes --repeats timed passes, interleaved with the other's and alternating which
 goes first, and the fastest pass of each side counts: other work on a shared host slows
@@ -109,7 +122,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                  help="queue the next decode call before reading the last (auto: on for "
                       "accelerators, off on a CPU)")
+  p.add_argument("--no_cli", action="store_true",
+                 help="skip the first pass of the batch CLI on its defaults (see module doc)")
   p.add_argument("--_peer", help=argparse.SUPPRESS)  # The peer's job file (child mode).
+  p.add_argument("--_peer_cold", help=argparse.SUPPRESS)  # Load and run once (child mode).
+  p.add_argument("--_cli", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # CLI child.
   args = p.parse_args(argv)
   for name in ("prompts", "new_tokens", "peer_batch", "repeats", "num_slots", "decode_steps",
                "prefill_chunk", "prefill_rows", "prefill_tokens_per_step", "page_size"):
@@ -293,6 +310,113 @@ def ours_runner(model, prompts: list[list[int]], stop_ids, args):
   return run
 
 
+# ---------------------------------------------------------------------- the batch CLI
+
+
+class FirstPassClock:
+  """Where a CLI process's seconds go: set-up (imports, model load, tokenization, engine
+  build) until the engine's first call, then prefill and decode calls (each waited on),
+  and inside each the seconds jax spent tracing, lowering and compiling."""
+
+  PHASES = ("prefill", "decode")
+  COMPILE_EVENTS = (COMPILE_EVENT, "/jax/core/compile/jaxpr_trace_duration",
+                    "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+  def __init__(self, start: float):
+    import jax
+
+    from jaxrl_post.rollout import Engine
+    self.start, self.first_call, self.phase = start, None, "setup"
+    self.seconds = dict.fromkeys(self.PHASES, 0.0)
+    self.compile_s = dict.fromkeys(("setup",) + self.PHASES, 0.0)
+    self.compiles = dict.fromkeys(("setup",) + self.PHASES, 0)
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    for method, phase in (("prefill_batch", "prefill"), ("launch", "decode"),
+                          ("collect", "decode")):
+      self._wrap(Engine, method, phase)
+
+  def _on_event(self, event: str, duration: float, **_) -> None:
+    if event in self.COMPILE_EVENTS:
+      self.compile_s[self.phase] += duration
+      self.compiles[self.phase] += event == COMPILE_EVENT
+
+  def _wrap(self, cls, method: str, phase: str) -> None:
+    import jax
+    inner = getattr(cls, method)
+
+    def timed(engine, *args, **kwargs):
+      if self.first_call is None:
+        self.first_call = time.perf_counter()
+      self.phase, start = phase, time.perf_counter()
+      out = inner(engine, *args, **kwargs)
+      if phase == "prefill":
+        jax.block_until_ready(engine.pool)
+      self.seconds[phase] += time.perf_counter() - start
+      self.phase = "other"
+      return out
+
+    setattr(cls, method, timed)
+
+  def figures(self, end: float) -> dict:
+    setup = (self.first_call or end) - self.start
+    out = {"setup_s": round(setup, 3), "setup_compile_s": round(self.compile_s["setup"], 3)}
+    for phase in self.PHASES:
+      out[f"{phase}_s"] = round(self.seconds[phase], 3)
+      out[f"{phase}_compile_s"] = round(self.compile_s[phase], 3)
+      out[f"{phase}_programs_compiled"] = self.compiles[phase]
+    out["other_s"] = round(end - self.start - setup - sum(self.seconds.values()), 3)
+    return out
+
+
+def cli_child(argv: list[str]) -> None:
+  """Child mode: `python -m jaxrl_post.generate argv` in this process under a
+  FirstPassClock; prints the clock's figures as the last line."""
+  start = time.perf_counter()
+  from jaxrl_post import generate as cli
+  clock = FirstPassClock(start)
+  status = cli.main(argv)
+  figures = clock.figures(time.perf_counter())
+  figures["exit_status"] = status
+  print(json.dumps(figures), flush=True)
+
+
+def cli_pass(args, prompt_file: str, out_file: str, cache_dir: str) -> dict:
+  """One run of the batch CLI on its defaults (only the job's own options), timed from
+  the interpreter's start to its exit; the completions it wrote come back too."""
+  argv = ["--prompts", prompt_file, "--out", out_file, "--temperature", "0",
+          "--max-new-tokens", str(args.new_tokens), f"--compilation_cache={cache_dir}"]
+  start = time.perf_counter()
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_cli", *argv],
+                        capture_output=True, text=True)
+  wall = time.perf_counter() - start
+  if proc.returncode != 0:
+    raise RuntimeError(f"python -m jaxrl_post.generate {' '.join(argv)} failed:\n"
+                       f"{proc.stderr[-4000:]}")
+  figures = json.loads(proc.stdout.strip().splitlines()[-1])
+  figures["wall_s"] = round(wall, 3)
+  figures["interpreter_s"] = round(wall - sum(
+      figures[k] for k in ("setup_s", "prefill_s", "decode_s", "other_s")), 3)
+  with open(out_file, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  figures["prompt_token_ids"] = [r["prompt_token_ids"] for r in rows]
+  figures["completions"] = [r["completions"][0]["token_ids"] for r in rows]
+  return figures
+
+
+def cli_runs(args, texts: list[str]) -> tuple[dict, dict]:
+  """The CLI's first pass (an empty compilation cache: what a new user meets) and a
+  second run of the same command (the cache the first filled)."""
+  with tempfile.TemporaryDirectory() as work:
+    prompt_file = os.path.join(work, "prompts.jsonl")
+    with open(prompt_file, "w", encoding="utf-8") as f:
+      for t in texts:
+        f.write(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n")
+    cache = os.path.join(work, "xla_cache")
+    first = cli_pass(args, prompt_file, os.path.join(work, "out1.jsonl"), cache)
+    second = cli_pass(args, prompt_file, os.path.join(work, "out2.jsonl"), cache)
+  return first, second
+
+
 # ---------------------------------------------------------------------- transformers
 
 
@@ -345,8 +469,9 @@ def peer_runner(spec: dict):
     return rows, clock.first - start, end - clock.first
 
   batches = [prompts[i:i + spec["batch"]] for i in range(0, len(prompts), spec["batch"])]
-  with torch.inference_mode():
-    run_batch(batches[0])  # Warm-up: first-call allocations and kernel selection.
+  if spec.get("warmup", True):
+    with torch.inference_mode():
+      run_batch(batches[0])  # Warm-up: first-call allocations and kernel selection.
 
   def run() -> dict:
     completions, prefill_s, decode_s = [], 0.0, 0.0
@@ -374,6 +499,33 @@ def peer_child(spec_path: str) -> None:
   print("ready", flush=True)
   for _ in sys.stdin:
     print(json.dumps(run()), flush=True)
+
+
+def peer_cold_child(spec_path: str) -> None:
+  """Child mode: transformers' first pass as a user meets it, from the interpreter's start:
+  load the model, run the job once (no warm-up batch), exit."""
+  with open(spec_path) as f:
+    spec = json.load(f)
+  print(json.dumps(peer_runner(dict(spec, warmup=False))()), flush=True)
+
+
+def peer_first_pass(python: str, spec: dict) -> dict:
+  """transformers' first pass in a new interpreter, timed from its start to its exit."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(spec, f)
+  try:
+    start = time.perf_counter()
+    proc = subprocess.run([python, os.path.abspath(__file__), "--_peer_cold", f.name],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+  finally:
+    os.unlink(f.name)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the transformers first pass in {python} failed:\n"
+                       f"{proc.stderr[-4000:]}")
+  figures = json.loads(proc.stdout.strip().splitlines()[-1])
+  figures["first_pass_wall_s"] = round(wall, 3)
+  return figures
 
 
 def torch_here() -> bool:
@@ -476,6 +628,20 @@ def print_human(result: dict) -> None:
   if result["wall_ratio"] is not None:
     print(f"wall_ratio (ours / transformers): {result['wall_ratio']} "
           f"(target <= 0.5); greedy_agreement: {result['greedy_agreement']}")
+  first = result.get("cli_first_pass")
+  if first:
+    for name, r in (("CLI first pass", first), ("CLI second run", result["cli_second_run"])):
+      print(f"{name}: wall {r['wall_s']:.2f} s = interpreter {r['interpreter_s']:.2f} + "
+            f"set-up {r['setup_s']:.2f} + prefill {r['prefill_s']:.2f} (compiling "
+            f"{r['prefill_compile_s']:.2f}, {r['prefill_programs_compiled']} programs) + "
+            f"decode {r['decode_s']:.2f} (compiling {r['decode_compile_s']:.2f}, "
+            f"{r['decode_programs_compiled']} programs) + other {r['other_s']:.2f}")
+    peer = result["transformers_first_pass"]
+    if peer:
+      print(f"transformers first pass: wall {peer['first_pass_wall_s']:.2f} s; "
+            f"first_pass_wall_ratio {result['first_pass_wall_ratio']} (target <= 0.5), "
+            f"second_run_wall_ratio {result['second_run_wall_ratio']}; "
+            f"cli_greedy_agreement {result['cli_greedy_agreement']}")
   if result["ours"]["compiles_in_timed_run"]:
     print(f"warning: {result['ours']['compiles_in_timed_run']} compilation(s) in the timed run")
 
@@ -525,6 +691,8 @@ def run(args) -> dict:
       "versions": {"jax": jax.__version__, "python": platform.python_version()},
       "date": datetime.date.today().isoformat(),
   }
+  if not args.no_cli:
+    result.update(first_pass(args, texts, prompts, spec))
   if peer_runs:
     theirs = [r.pop("completions") for r in peer_runs][0]
     theirs_best = best_of(peer_runs)
@@ -537,10 +705,40 @@ def run(args) -> dict:
   return result
 
 
+def first_pass(args, texts: list[str], prompts: list[list[int]], spec: dict) -> dict:
+  """The batch CLI's first pass and second run beside transformers' first pass (each a
+  new process, timed from its start to its exit), and whether they decode alike."""
+  first, second = cli_runs(args, texts)
+  out = {"cli_first_pass": first, "cli_second_run": second,
+         "cli_prompt_ids_match": first.pop("prompt_token_ids") == prompts,
+         "transformers_first_pass": None, "first_pass_wall_ratio": None,
+         "second_run_wall_ratio": None, "cli_greedy_agreement": None}
+  second.pop("prompt_token_ids")
+  cli_completions = first.pop("completions")
+  second.pop("completions")
+  python = None if args.no_peer else args.peer_python or (sys.executable if torch_here()
+                                                           else None)
+  if python is not None:
+    peer = peer_first_pass(python, spec)
+    theirs = peer.pop("completions")
+    peer.pop("versions", None)
+    out.update(transformers_first_pass=peer,
+               first_pass_wall_ratio=round(first["wall_s"] / peer["first_pass_wall_s"], 4),
+               second_run_wall_ratio=round(second["wall_s"] / peer["first_pass_wall_s"], 4),
+               cli_greedy_agreement=agreement(cli_completions, theirs))
+  return out
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args._peer:  # Child mode: no jax here, only the peer's job.
     peer_child(args._peer)
+    return 0
+  if args._peer_cold:
+    peer_cold_child(args._peer_cold)
+    return 0
+  if args._cli is not None:
+    cli_child(args._cli)
     return 0
   result = run(args)
   if args.json:
