@@ -11,14 +11,20 @@
 The evaluation is the run's own: the same held-out problems, prompt encoding, greedy decode
 on the rollout engine over the rollout mesh in SyncConfig.rollout_dtype, and verifier, so
 the accuracy equals the eval/accuracy a run logs for the same weights.
+
+A task read from data files first says what it read and what it skipped, and why, one line
+per path ("read N rows from FILE; skipped M (reason=count, ...)"); with --json those lines
+go to stderr, so stdout stays one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
+from typing import Callable
 
 from jaxrl_post import compile_cache
 from jaxrl_post.errors import UserError
@@ -85,13 +91,22 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
                              exp.rollout.max_new_tokens, exp.rollout.scheduler, pool=pool)
 
 
-def run(args) -> dict:
+def read_lines(task) -> list[str]:
+  """What a task read from its data files and skipped there; none for generated tasks."""
+  from jaxrl_post.rewards.base import ReadsFiles
+
+  return [report.line() for report in task.reads] if isinstance(task, ReadsFiles) else []
+
+
+def run(args, say: Callable[[str], None] = print) -> dict:
   from jaxrl_post.pipeline import config
 
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   config.parse(args.gin_file, args.gin_param)
   exp = config.build_experiment()
+  for line in read_lines(exp.task):  # Before the model loads: a data mistake shows at once.
+    say(line)
   cfg, params, tokenizer = _policy(args, exp)
   return evaluate(exp, cfg, params, tokenizer)
 
@@ -99,8 +114,9 @@ def run(args) -> dict:
 def main(argv=None) -> int:
   args = parse_args(argv)
   compile_cache.enable(args.compilation_cache)
+  say = functools.partial(print, file=sys.stderr) if args.json else print
   try:
-    metrics = run(args)
+    metrics = run(args, say)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
