@@ -5,10 +5,13 @@ suite itself does not install (PyPI's torch for Python 3.12 is a multi-GB CUDA b
 Run it once after changing what the fixtures cover, and commit tests/fixtures/:
 
   python scripts/make_hf_fixtures.py --gguf PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf
+  python scripts/make_hf_fixtures.py --tiny tiny_qwen3 tiny_qwen3_tied   # just those
 
 Outputs:
-  tests/fixtures/hf/tiny_{llama,qwen2,mistral}/   save_pretrained model + tokenizer dirs
-  tests/fixtures/hf/tiny_*/expected.npz          input ids and transformers' f32 logits
+  tests/fixtures/hf/tiny_{llama,qwen2,mistral,qwen3,qwen3_tied}/   save_pretrained model +
+                                                 tokenizer dirs
+  tests/fixtures/hf/tiny_*/expected.npz          input ids and transformers' f32 logits,
+                                                 16-token greedy continuations of 3 prompts
   tests/fixtures/smollm2_gguf_hf.npz             SmolLM2 GGUF: prompt ids, last-position
                                                  log-softmax, 32-token greedy continuations,
                                                  tokenizer ids for a string set
@@ -64,6 +67,9 @@ def tiny_configs(vocab: int) -> dict:
   common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+  # Qwen3: q/k norms, no biases, head_dim 32 where hidden / heads would be 16.
+  qwen3 = dict(common, num_hidden_layers=2, intermediate_size=96, head_dim=32,
+               rope_theta=1000000.0)
   return {
       "tiny_llama": transformers.LlamaConfig(
           **common, rope_theta=500000.0, tie_word_embeddings=False,
@@ -73,14 +79,20 @@ def tiny_configs(vocab: int) -> dict:
                                              tie_word_embeddings=True),
       "tiny_mistral": transformers.MistralConfig(**common, rope_theta=10000.0,
                                                  sliding_window=8, tie_word_embeddings=False),
+      "tiny_qwen3": transformers.Qwen3Config(**qwen3, tie_word_embeddings=False),
+      "tiny_qwen3_tied": transformers.Qwen3Config(**qwen3, tie_word_embeddings=True),
   }
 
 
-def write_tiny_models() -> None:
+def write_tiny_models(names=None) -> None:
   tok = tiny_tokenizer(320)
   vocab = len(tok)
   rng = np.random.default_rng(0)
   for i, (name, cfg) in enumerate(tiny_configs(vocab).items()):
+    # Drawn for every fixture, so each gets the same ids whichever ones are written.
+    ids = rng.integers(0, vocab, size=(2, 20))
+    if names and name not in names:
+      continue
     torch.manual_seed(i)
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
@@ -92,12 +104,14 @@ def write_tiny_models() -> None:
     shard = "60KB" if name == "tiny_qwen2" else "50MB"  # qwen2 exercises the sharded index
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
     tok.save_pretrained(out)
-    ids = rng.integers(0, vocab, size=(2, 20))
     with torch.no_grad():
       logits = model(torch.tensor(ids)).logits.float().numpy()
     token_ids = [tok.encode(s) for s in TOKENIZER_STRINGS]
+    prompts = [tok.encode(p) for p in PLAIN_PROMPTS[:3]]
+    conts = [greedy(model, p, 16) for p in prompts]
     np.savez_compressed(out / "expected.npz", input_ids=ids, logits=logits,
-                        token_ids=np.array(json.dumps(token_ids)))
+                        token_ids=np.array(json.dumps(token_ids)),
+                        greedy_prompts=np.array(json.dumps(prompts)), greedy=np.array(conts))
     print(name, "written", logits.shape)
 
 
@@ -147,10 +161,13 @@ def write_smollm2(gguf_path: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file")
+  parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (else no SmolLM2 "
+                      "fixture is written)")
+  parser.add_argument("--tiny", nargs="*", help="write only these tiny_* fixtures")
   args = parser.parse_args()
-  write_tiny_models()
-  write_smollm2(args.gguf)
+  write_tiny_models(args.tiny)
+  if args.gguf:
+    write_smollm2(args.gguf)
 
 
 if __name__ == "__main__":

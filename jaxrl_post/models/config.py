@@ -53,7 +53,7 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2).
+  """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Qwen3 dense, Mistral, SmolLM2).
 
   Attributes mirror Hugging Face's config.json names where one exists, so a reader can
   check a preset against the model card.
@@ -72,6 +72,7 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   qkv_bias: bool = False  # Qwen2, and Llama with attention_bias.
   o_bias: bool = False  # Llama with attention_bias.
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE.
   sliding_window: Optional[int] = None  # Mistral v0.1.
   max_position_embeddings: int = 4096
   param_dtype: str = "float32"
@@ -110,6 +111,8 @@ class ModelConfig:
       attn += hd * (self.num_heads + 2 * self.num_kv_heads)
     if self.o_bias:
       attn += d
+    if self.qk_norm:
+      attn += 2 * hd
     layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
     value = d + 1 if self.value_head else 0

@@ -14,7 +14,7 @@ from jaxrl_post.models.tokenizer import Tokenizer, tokenizer_from_gguf
 from jaxrl_post.models.transformer import Transformer
 from jaxrl_post.models.weights import model_from_tensors
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Per-layer GGUF tensor names -> Hugging Face names.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -23,6 +23,8 @@ _LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -100,6 +102,7 @@ def config_from_gguf(f: GGUFFile, **overrides) -> ModelConfig:
       rms_norm_eps=float(f.field(f"{a}.attention.layer_norm_rms_epsilon")),
       tie_word_embeddings="output.weight" not in f.tensors,
       qkv_bias="blk.0.attn_q.bias" in f.tensors, o_bias="blk.0.attn_output.bias" in f.tensors,
+      qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
       sliding_window=int(window) if window else None,
       max_position_embeddings=int(f.meta.get(f"{a}.context_length", 4096)), **overrides)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -15,7 +15,7 @@ from jaxrl_post.models.config import ModelConfig, RopeScaling
 from jaxrl_post.models.transformer import Transformer
 from jaxrl_post.models.weights import model_from_tensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -49,6 +49,66 @@ def _rope(c: dict[str, Any], path: str) -> tuple[float, RopeScaling]:
                   "(supported: default, linear, llama3)")
 
 
+def _sliding_window(c: dict[str, Any], model_type: str, path: str) -> Optional[int]:
+  """The one window every layer uses, or None; mixed full/sliding layers are refused.
+
+  Qwen2/Qwen3 use the window only with use_sliding_window, and then only in the layers
+  layer_types marks (by default those from max_window_layers on).
+  """
+  window = c.get("sliding_window")
+  if model_type not in ("qwen2", "qwen3"):
+    return int(window) if window else None
+  if not window or not c.get("use_sliding_window", False):
+    return None
+  n = int(c["num_hidden_layers"])
+  first = int(c.get("max_window_layers", 28))  # transformers' default for both.
+  kinds = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                   for i in range(n)]
+  if set(kinds) == {"full_attention"}:
+    return None
+  if set(kinds) != {"sliding_attention"}:
+    raise UserError(f"{path}: layer_types/max_window_layers mix full and sliding-window "
+                    "attention layers, which is not supported (one window for all layers)")
+  return int(window)
+
+
+_REQUIRED = object()
+
+
+def _field(c: dict[str, Any], key: str, cast, path: str, default: Any = _REQUIRED) -> Any:
+  """c[key] as `cast`; absent or null gives `default`, or an error naming the field."""
+  value = c.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise UserError(f"{path}: missing field {key!r}")
+    return default
+  try:
+    return cast(value)
+  except (TypeError, ValueError):
+    raise UserError(f"{path}: field {key!r} has an invalid value {value!r}") from None
+
+
+def _config_fields(c: dict[str, Any], model_type: str, path: str) -> dict[str, Any]:
+  """ModelConfig fields from config.json."""
+  get = lambda key, cast=int, default=_REQUIRED: _field(c, key, cast, path, default)
+  heads, hidden = get("num_attention_heads"), get("hidden_size")
+  bias = get("attention_bias", bool, False)
+  theta, scaling = _rope(c, path)
+  if model_type == "qwen3":  # transformers' Qwen3Config defaults it to 128, not D / heads.
+    head_dim = get("head_dim")
+  else:
+    head_dim = get("head_dim", int, hidden // max(heads, 1))
+  return dict(
+      vocab_size=get("vocab_size"), hidden_size=hidden,
+      intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+      num_heads=heads, num_kv_heads=get("num_key_value_heads", int, heads), head_dim=head_dim,
+      rope_theta=theta, rope_scaling=scaling, rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+      tie_word_embeddings=get("tie_word_embeddings", bool, False),
+      qkv_bias=bias or model_type == "qwen2", o_bias=bias, qk_norm=model_type == "qwen3",
+      sliding_window=_sliding_window(c, model_type, path),
+      max_position_embeddings=get("max_position_embeddings", int, 4096))
+
+
 def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
   """ModelConfig from a parsed config.json; `path` names the file in errors."""
   model_type = c.get("model_type")
@@ -60,23 +120,12 @@ def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
   if c.get("mlp_bias"):
     raise UserError(f"{path}: mlp_bias=true is not supported")
   try:
-    heads = int(c["num_attention_heads"])
-    theta, scaling = _rope(c, path)
-    window = c.get("sliding_window")
-    if model_type == "qwen2" and not c.get("use_sliding_window", False):
-      window = None
-    bias = bool(c.get("attention_bias", False))
-    return ModelConfig(
-        vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
-        intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=bias or model_type == "qwen2", o_bias=bias,
-        sliding_window=int(window) if window else None,
-        max_position_embeddings=int(c.get("max_position_embeddings", 4096)), **overrides)
+    fields = _config_fields(c, model_type, path)
+    try:
+      cfg = ModelConfig(**fields)
+    except UserError as e:  # A value ModelConfig refuses: say which file it came from.
+      raise UserError(f"{path}: {e}") from None
+    return cfg.replace(**overrides)
   except KeyError as e:
     raise UserError(f"{path}: missing field {e.args[0]!r}") from None
   except (TypeError, ValueError) as e:
@@ -134,7 +183,7 @@ class _SafetensorsReader:
 
 
 def load_hf_model(model_dir: str, **overrides) -> Transformer:
-  """Loads a Llama/Qwen2/Mistral checkpoint directory; overrides go to ModelConfig."""
+  """Loads a Llama/Qwen2/Qwen3/Mistral checkpoint directory; overrides go to ModelConfig."""
   cfg_path = os.path.join(model_dir, "config.json")
   cfg = config_from_hf(read_json(cfg_path), cfg_path, **overrides)
   reader = _SafetensorsReader(model_dir)

@@ -37,6 +37,7 @@ _LAYER_NAMES = {
     "w_down": "mlp.down_proj.weight",
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias", "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
 # How many leading (input) dims each layer matrix has in our layout (transformer._INPUT_DIMS).
 _INPUT_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
@@ -81,7 +82,7 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 
 def _to_hf_layout(name: str, w: np.ndarray) -> np.ndarray:
-  if name not in _INPUT_DIMS:  # Norms are [D]; biases [H, hd] flatten to [H * hd].
+  if name not in _INPUT_DIMS:  # Norms are [D] or [hd]; biases [H, hd] flatten to [H * hd].
     return np.ascontiguousarray(w.reshape(-1))
   n = _INPUT_DIMS[name]
   fan_in = int(np.prod(w.shape[:n]))
@@ -93,7 +94,7 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int],
   """config.json for transformers (and config_from_hf, which reads it back)."""
   model_type = _model_type(cfg)
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "mistral": "MistralForCausalLM"}[model_type]
+          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
   c: dict[str, Any] = {
       "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -107,16 +108,23 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int],
   c.update(_rope_fields(cfg))
   if model_type == "llama":
     c.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
-  elif model_type == "qwen2":
+  elif model_type in ("qwen2", "qwen3"):
     sliding = cfg.sliding_window is not None
     c.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
              max_window_layers=0)  # Layers >= max_window_layers use the window: all of them.
+    if model_type == "qwen3":  # One flag for the Q/K/V and output biases alike.
+      c["attention_bias"] = cfg.qkv_bias
   else:
     c["sliding_window"] = cfg.sliding_window
   return c
 
 
 def _model_type(cfg: ModelConfig) -> str:
+  if cfg.qk_norm:
+    if cfg.qkv_bias != cfg.o_bias:
+      raise UserError("export: a model with q/k norms needs Q/K/V and output biases both or "
+                      "neither (qwen3's attention_bias sets all four)")
+    return "qwen3"
   if cfg.qkv_bias and not cfg.o_bias:
     return "qwen2"  # Bias on Q/K/V only.
   if cfg.o_bias and not cfg.qkv_bias:

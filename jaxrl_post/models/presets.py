@@ -26,6 +26,11 @@ PRESETS: dict[str, ModelConfig] = {
                                 num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                                 rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
                                 tie_word_embeddings=True, max_position_embeddings=32768),
+    # head_dim 128 where hidden / heads would be 64; q/k norms, no biases.
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                              num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                              rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True,
+                              tie_word_embeddings=True, max_position_embeddings=40960),
     "llama3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                                rope_theta=500000.0, tie_word_embeddings=True,

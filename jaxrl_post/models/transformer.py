@@ -71,6 +71,9 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
     shapes["bv"] = ((hkv, hd), ("kv_heads", "head_dim"))
   if cfg.o_bias:
     shapes["bo"] = ((d,), ("embed",))
+  if cfg.qk_norm:  # One [hd] scale shared by every head: small, so left replicated.
+    shapes["q_norm"] = ((hd,), ("head_dim",))
+    shapes["k_norm"] = ((hd,), ("head_dim",))
   return shapes
 
 
@@ -124,7 +127,11 @@ class KVCache(NamedTuple):
 
 
 class Transformer(nnx.Module):
-  """Llama-family decoder: GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings."""
+  """Llama-family decoder: GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings.
+
+  Architecture details (Q/K/V and output biases, Qwen3's q/k norms, a sliding window) are
+  config flags that add parameters to the stacked layers; see layer_param_shapes.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.config = cfg
@@ -229,12 +236,19 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
 
 
 def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T, H, hd]
-  """Pre-norm, Q/K/V projections (with biases and LoRA) and RoPE for one layer `p`."""
+  """Pre-norm, Q/K/V projections (with biases, LoRA and Qwen3's q/k norms) and RoPE.
+
+  Every forward (training, dense cache, the rollout's paged one) gets its keys here, so
+  the cached K are normed and rotated the same way wherever they are written.
+  """
   dt = x.dtype
   h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = (_dense(cfg, h, p, name) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+  if cfg.qk_norm:  # Per head over head_dim, before RoPE (as transformers' Qwen3 does).
+    q = L.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = L.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   inv_freq = jnp.asarray(L.rope_inv_freq(cfg))
   q, k = L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq)
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)

@@ -52,6 +52,8 @@ def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int, source: str) -> dic
       "bk": ("self_attn.k_proj.bias", (hkv * hd,)),
       "bv": ("self_attn.v_proj.bias", (hkv * hd,)),
       "bo": ("self_attn.o_proj.bias", (d,)),
+      "q_norm": ("self_attn.q_norm.weight", (hd,)),
+      "k_norm": ("self_attn.k_norm.weight", (hd,)),
   }
   return {ours: _fetch(get, pre + spec[ours][0], spec[ours][1], shape, source)
           for ours, (shape, _) in layer_param_shapes(cfg).items()}

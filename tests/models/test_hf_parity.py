@@ -2,8 +2,9 @@
 
 The expected values are golden fixtures written by scripts/make_hf_fixtures.py, which runs
 transformers once: tiny random Llama (llama3 RoPE scaling), Qwen2 (qkv bias, tied, sharded
-safetensors) and Mistral (sliding window) saved with save_pretrained, and the embedded
-SmolLM2-135M-Instruct GGUF loaded by transformers with gguf_file=....
+safetensors), Mistral (sliding window) and Qwen3 (q/k norms, head_dim 32 != hidden / heads,
+untied and tied) saved with save_pretrained, and the embedded SmolLM2-135M-Instruct GGUF
+loaded by transformers with gguf_file=....
 """
 
 import json
@@ -18,7 +19,8 @@ from jaxrl_post import models
 from jaxrl_post.models.decode import generate_dense
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
-TINY = ("tiny_llama", "tiny_qwen2", "tiny_mistral")
+TINY = ("tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_qwen3_tied")
+QWEN3 = ("tiny_qwen3", "tiny_qwen3_tied")  # Their fixtures also hold greedy continuations.
 LOGIT_TOL = 1e-4  # Issue target for tiny models in float32.
 LOG_SOFTMAX_TOL = 1e-3  # Issue target for SmolLM2's last position in float32.
 
@@ -51,6 +53,19 @@ def test_tiny_tokenizer_ids_match_transformers(name):
   assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
       "<|user|>hi</s><|assistant|>"
   assert tok.stop_ids == (1,)
+
+
+@pytest.mark.parametrize("name", QWEN3)
+def test_tiny_qwen3_greedy_tokens_identical_to_transformers(name):
+  model, tok = models.load(tiny_dir(name), compute_dtype="float32")
+  assert model.config.qk_norm and model.config.head_dim == 32
+  assert model.config.tie_word_embeddings == name.endswith("_tied")
+  expected = np.load(os.path.join(tiny_dir(name), "expected.npz"))
+  prompts = json.loads(str(expected["greedy_prompts"]))
+  assert [tok.encode(s) for s in ("The capital of France is", "def fibonacci(n):")] == \
+      prompts[:2]
+  out = generate_dense(model, prompts, max_new_tokens=16, temperature=0.0, stop_ids=())
+  assert out.tokens == expected["greedy"].tolist()
 
 
 @pytest.fixture(scope="module")
