@@ -54,3 +54,10 @@ def test_tiny_run_prints_one_json_object_with_sane_figures():
   assert ours["compiles_in_timed_run"] == 0
   assert out["transformers"] is None and out["wall_ratio"] is None
   assert out["versions"]["jax"] and out["date"]
+  # The batch CLI on its defaults: a first pass that compiles, a second run that loads.
+  first, second = out["cli_first_pass"], out["cli_second_run"]
+  assert out["cli_prompt_ids_match"] is True and out["first_pass_wall_ratio"] is None
+  for run in (first, second):
+    assert run["exit_status"] == 0 and run["wall_s"] > run["prefill_s"] + run["decode_s"] > 0
+    assert min(run["setup_s"], run["interpreter_s"], run["other_s"]) >= 0
+  assert first["decode_programs_compiled"] >= 1 and first["decode_compile_s"] > 0

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig, RopeScaling
+from jaxrl_post.models.gguf_reader import read_gguf
 from jaxrl_post.models.tokenizer import Tokenizer, tokenizer_from_gguf
 from jaxrl_post.models.transformer import Transformer
 from jaxrl_post.models.weights import model_from_tensors
@@ -56,10 +57,8 @@ class GGUFFile:
       raise UserError(f"{path}: file not found")
     self.path = path
     try:
-      reader = gguf.GGUFReader(path)
-      self.meta = {k: f.contents() for k, f in reader.fields.items()}
-      self.tensors = {t.name: t for t in reader.tensors}
-    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files.
+      self.meta, self.tensors = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, OSError, unknown ggml types.
       raise UserError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") \
           from None
     self.arch = self.meta.get("general.architecture")

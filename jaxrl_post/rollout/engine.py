@@ -115,8 +115,10 @@ class EngineConfig:
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
   group_slots: int = 0
-  # 16 widths decoded fastest in scripts/bench_generate.py on a CPU (300 prompts at once).
-  decode_buckets: int = 16
+  # Each width is a copy of the decode step to compile. On the generate CLI's first pass
+  # (300 chat prompts at once, bench_generate on a 2-core CPU) 16 widths took 28 s of
+  # compiling and 4 took 6.5 s, and the decode calls themselves ran as fast (about 21 s).
+  decode_buckets: int = 4
   prefix_cache: bool = False
 
   def __post_init__(self):
