@@ -21,7 +21,6 @@ import functools
 import inspect
 import math
 import tempfile
-
 from typing import Optional
 
 import jax
@@ -40,8 +39,7 @@ from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerCo
                                    TrainState, optimizer_state_shardings)
 from jaxrl_post.rollout.pages import page_bytes
 from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
-                                 mesh_platform,
-                                 logical_to_spec, make_mesh, tree_shardings)
+                                 logical_to_spec, make_mesh, mesh_platform, tree_shardings)
 
 GB = 1e9
 

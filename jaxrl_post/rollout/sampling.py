@@ -115,8 +115,8 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
   The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
   CPU. Here the uniform's share of the row's mass is located first among blocks of
   tokens (cumulative block masses; see _block_size), then inside the chosen block. Tokens
-  of zero probability are never chosen: counting "cumulative <= target" steps over them, and the
-  indices are clipped to the last block / token with mass.
+  of zero probability are never chosen: counting "cumulative <= target" steps over them,
+  and the indices are clipped to the last block / token with mass.
   """
   b, v = scaled.shape
   blk = _block_size(v)
