@@ -38,7 +38,7 @@ def test_tiny_run_prints_one_json_object_with_sane_figures():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=1")
   proc = subprocess.run([sys.executable, SCRIPT, "--prompts", "4", "--new_tokens", "4",
-                         "--num_slots", "4", "--no_peer", "--json"],
+                         "--num_slots", "4", "--decode_buckets", "2", "--no_peer", "--json"],
                         capture_output=True, text=True, env=env, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
   lines = [l for l in proc.stdout.splitlines() if l.strip()]

@@ -84,7 +84,8 @@ def _wait_for_step(path, step, proc, timeout=300):
 
 @pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kill_after",
                          [pytest.param(QUICKSTART, 1, 1, 3, marks=pytest.mark.sweep),
-                          (QUICKSTART, 2, 3, 4), (QUICKSTART_LORA, 2, 3, 4)],
+                          (QUICKSTART, 2, 3, 4),
+                          pytest.param(QUICKSTART_LORA, 2, 3, 4, marks=pytest.mark.sweep)],
                          ids=["sync1", "sync2", "lora-sync2"])
 def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, gin_file, sync_every,
                                                              checkpoint_every, kill_after):

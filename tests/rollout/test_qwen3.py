@@ -13,6 +13,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl_post import models
 from jaxrl_post.models.decode import generate_dense
@@ -57,6 +58,7 @@ def test_paged_greedy_equals_the_dense_decoder_and_transformers():
     assert list(out[i][0].tokens) == want, i
 
 
+@pytest.mark.sweep  # The engine's tensor split of heads is covered by tests/rollout/test_mesh.py.
 def test_tied_model_with_heads_split_over_tensor_equals_dense_and_transformers():
   model = qwen3("tiny_qwen3_tied")
   prompts, hf_greedy = _prompts("tiny_qwen3_tied", (3, 9, 21), 1)

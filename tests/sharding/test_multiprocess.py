@@ -19,6 +19,9 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+# The training command over two processes (tests/pipeline/test_devices.py) covers this end
+# to end by default; this lower-level step and sync is a sweep case.
+@pytest.mark.sweep
 def test_two_processes_match_one_process():
   port = free_port()
   env = {**os.environ, "PYTHONPATH": ROOT}
