@@ -2,8 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from tests.xla import host_flags  # Imports no jax.
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + host_flags(8)).strip()
 # Many tests (and the training runs they start as subprocesses, which inherit this) compile
 # the same programs: a persistent compilation cache compiles each once per machine. Keys
 # cover the program, devices, flags and jax version, so a stale entry is never used.

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from tests.xla import host_flags
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                       "bench_generate.py")
 
@@ -36,7 +38,7 @@ def test_completions_are_cut_after_the_first_stop_id():
 def test_tiny_run_prints_one_json_object_with_sane_figures():
   # Its own process and one CPU device: the suite's 8 fake devices are not what we measure.
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=host_flags(1))
   proc = subprocess.run([sys.executable, SCRIPT, "--prompts", "4", "--new_tokens", "4",
                          "--num_slots", "4", "--decode_buckets", "2", "--no_peer", "--json"],
                         capture_output=True, text=True, env=env, timeout=900)

@@ -24,6 +24,7 @@ from jaxrl_post.models.hf_export import merge_lora, save_pretrained
 from jaxrl_post.models.tokenizer import char_tokenizer
 from jaxrl_post.models.transformer import init_lora, init_model, params_of, with_params
 from jaxrl_post.pipeline.trained import load_trained
+from tests.xla import host_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "tiny_llama")
@@ -54,7 +55,7 @@ def run_dir(tmp_path_factory):
   """A one-step LoRA run on the tiny Llama fixture (one device, in a subprocess)."""
   workdir = tmp_path_factory.mktemp("run")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=host_flags(1))
   cmd = [sys.executable, "-m", "jaxrl_post.train", f"--gin_file={QUICKSTART}",
          f"--workdir={workdir}"] + [f"--gin_param={p}" for p in RUN]
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -10,13 +10,14 @@ import pytest
 
 from jaxrl_post import generate, models
 from jaxrl_post.models.decode import generate_dense
+from tests.xla import host_flags
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 LLAMA_DIR = os.path.join(FIXTURES, "hf", "tiny_llama")
 
 
 def run_cli(*args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=host_flags(1))
   return subprocess.run([sys.executable, "-m", "jaxrl_post.generate", *args],
                         capture_output=True, text=True, env=env, timeout=600)
 

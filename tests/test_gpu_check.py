@@ -4,13 +4,15 @@ import json
 import os
 import subprocess
 
+from tests.xla import host_flags
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def _check(tmp_path, greedy_args: str):
   out = tmp_path / "check.json"
   env = dict(os.environ, PARTS="greedy", GREEDY_ARGS=greedy_args, GPU_CHECK_OUT=str(out),
-             JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             JAX_PLATFORMS="cpu", XLA_FLAGS=host_flags(1))
   done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env,
                         capture_output=True, text=True, timeout=600)
   return done.returncode, json.loads(out.read_text())

@@ -15,6 +15,7 @@ import pytest
 from jaxrl_post.telemetry import read_metrics
 from tests.pipeline.test_train import QUICKSTART, ROOT, _deterministic
 from tests.sharding.test_multiprocess import free_port
+from tests.xla import host_flags
 
 # The quickstart at its smallest: a few RL steps, tiny warm-up and evaluation.
 SMALL = ["Experiment.steps = 2", "SftConfig.steps = 4", "EvalSpec.num_problems = 8",
@@ -31,7 +32,7 @@ def _cmd(workdir, extra=()):
 
 def _env(devices: int) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = host_flags(devices)
   return env
 
 

@@ -14,6 +14,7 @@ import pytest
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import TASKS, HumanEvalTask, Problem
 from jaxrl_post.rewards.humaneval import assemble_program, extract_code, packaged_data_path
+from tests.xla import host_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -241,7 +242,7 @@ def test_shipped_config_trains_a_step_on_the_cpu(tmp_path):
   cmd = [sys.executable, "-m", "jaxrl_post.train", f"--gin_file={config}",
          f"--workdir={tmp_path}"] + [f"--gin_param={p}" for p in SMOKE]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=host_flags(1))
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "held-out accuracy:" in done.stdout
