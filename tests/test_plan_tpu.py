@@ -48,6 +48,27 @@ def test_decode_loop_compiles_for_tpu_with_the_paged_mosaic_kernel():
   assert cpu.kernels == ()
 
 
+def test_cascade_decode_compiles_for_tpu_with_both_paged_kernel_parts():
+  """Blocks of samples sharing their prompt's pages: the prefix and suffix parts of the
+  cascade kernel are two paged Mosaic calls in each layer (plain decode has one)."""
+  from jaxrl_post.rollout.attention import SharedPrefix
+  from jaxrl_post.rollout.engine import _decode_loop
+
+  mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=1), tpu_devices("v5e:2x2"))
+  layout = plan.memory._engine_layout(CFG, mesh)
+  params, pool, state = plan.memory._decode_operands(CFG, 16, 64, 16, 16, "bfloat16",
+                                                     "bfloat16", 8, mesh, layout)
+  blocks = 16 // 4
+  shared = SharedPrefix(jax.ShapeDtypeStruct((blocks, 4), jnp.int32, sharding=layout.rows(2)),
+                        jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=layout.rows(1)))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    text = _decode_loop.lower(params, pool, state, shared, cfg=CFG, steps=2, layout=layout,
+                              truncation=False).compile().as_text()
+  paged = [line for line in text.splitlines()
+           if 'custom_call_target="tpu_custom_call"' in line and "paged_attention" in line]
+  assert len(paged) == 2, len(paged)
+
+
 def test_cost_walker_counts_scanned_layers_by_their_trip_count():
   def layers(w, x):
     return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
