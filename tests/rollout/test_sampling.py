@@ -102,15 +102,12 @@ def test_an_all_greedy_batch_gives_the_argmax_and_its_model_logprob():
                              atol=1e-5)
 
 
-def test_inverse_cdf_draw_crosses_blocks_and_never_takes_excluded_tokens():
-  # 300 tokens: two whole 128-token blocks and a partial one; the kept tokens sit at both
-  # ends of the vocabulary and across the first block boundary, with whole blocks of
-  # excluded (-inf) tokens between them.
-  v, kept = 300, np.array([0, 5, 127, 128, 290, 299])
+def _assert_draws_follow(v, kept, probs, seed, n=4000):
+  """n inverse-CDF draws from a vocabulary of v where only `kept` tokens have mass
+  (`probs`): no excluded token is drawn, and each kept one within 5 standard errors."""
   logits = np.full((v,), -np.inf, np.float32)
-  logits[kept] = np.log(np.array([0.05, 0.25, 0.1, 0.2, 0.3, 0.1], np.float32))
-  n = 4000
-  keys = token_keys(jnp.full((n,), 11, jnp.uint32), jnp.zeros((n,), jnp.int32),
+  logits[kept] = np.log(np.array(probs, np.float32))
+  keys = token_keys(jnp.full((n,), seed, jnp.uint32), jnp.zeros((n,), jnp.int32),
                     jnp.arange(n, dtype=jnp.int32))
   tok = np.asarray(jax.jit(inverse_cdf_draw)(keys, jnp.asarray(np.tile(logits, (n, 1)))))
   counts = np.bincount(tok, minlength=v)
@@ -120,6 +117,14 @@ def test_inverse_cdf_draw_crosses_blocks_and_never_takes_excluded_tokens():
   assert np.all(np.abs(counts[kept] / n - want) <= bound)
 
 
+def test_inverse_cdf_draw_crosses_blocks_and_never_takes_excluded_tokens():
+  # 300 tokens: two whole 128-token blocks and a partial one; the kept tokens sit at both
+  # ends of the vocabulary and across the first block boundary, with whole blocks of
+  # excluded (-inf) tokens between them.
+  _assert_draws_follow(300, np.array([0, 5, 127, 128, 290, 299]),
+                       [0.05, 0.25, 0.1, 0.2, 0.3, 0.1], seed=11)
+
+
 def test_first_argmax_takes_the_first_of_tied_maxima():
   x = jnp.asarray([[1.0, 3.0, 3.0, 2.0], [-jnp.inf, -1.0, -1.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
   np.testing.assert_array_equal(np.asarray(first_argmax(x)), [1, 1, 0])
@@ -127,18 +132,9 @@ def test_first_argmax_takes_the_first_of_tied_maxima():
 
 def test_inverse_cdf_draw_with_small_blocks_matches_the_distribution():
   # 192 tokens (a multiple of 8): blocks of 8, so that 8 vocabulary shards split them.
-  v, kept = 192, np.array([0, 7, 8, 100, 191])
-  assert sampling._block_size(v) == 8
-  logits = np.full((v,), -np.inf, np.float32)
-  logits[kept] = np.log(np.array([0.1, 0.3, 0.2, 0.25, 0.15], np.float32))
-  n = 4000
-  keys = token_keys(jnp.full((n,), 5, jnp.uint32), jnp.zeros((n,), jnp.int32),
-                    jnp.arange(n, dtype=jnp.int32))
-  tok = np.asarray(jax.jit(inverse_cdf_draw)(keys, jnp.asarray(np.tile(logits, (n, 1)))))
-  counts = np.bincount(tok, minlength=v)
-  assert counts.sum() == counts[kept].sum()
-  want = np.exp(logits[kept])
-  assert np.all(np.abs(counts[kept] / n - want) <= 5 * np.sqrt(want * (1 - want) / n))
+  assert sampling._block_size(192) == 8
+  _assert_draws_follow(192, np.array([0, 7, 8, 100, 191]), [0.1, 0.3, 0.2, 0.25, 0.15],
+                       seed=5)
 
 
 def test_sampling_keeps_tensor_sharded_logits_on_their_tpu_chips():
