@@ -8,7 +8,7 @@ Run it once after changing what the fixtures cover, and commit tests/fixtures/:
   python scripts/make_hf_fixtures.py --tiny tiny_qwen3 tiny_qwen3_tied   # just those
 
 Outputs:
-  tests/fixtures/hf/tiny_{llama,qwen2,mistral,qwen3,qwen3_tied}/   save_pretrained model +
+  tests/fixtures/hf/tiny_{llama,qwen2,mistral,qwen3,qwen3_tied,qwen3_moe}/   save_pretrained +
                                                  tokenizer dirs
   tests/fixtures/hf/tiny_*/expected.npz          input ids and transformers' f32 logits,
                                                  16-token greedy continuations of 3 prompts
@@ -81,6 +81,11 @@ def tiny_configs(vocab: int) -> dict:
                                                  sliding_window=8, tie_word_embeddings=False),
       "tiny_qwen3": transformers.Qwen3Config(**qwen3, tie_word_embeddings=False),
       "tiny_qwen3_tied": transformers.Qwen3Config(**qwen3, tie_word_embeddings=True),
+      # Qwen3-MoE: 8 experts, top-2, renormalised gates; every layer sparse.
+      "tiny_qwen3_moe": transformers.Qwen3MoeConfig(
+          **qwen3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+          tie_word_embeddings=False),
   }
 
 
@@ -100,6 +105,8 @@ def write_tiny_models(names=None) -> None:
       for pname, p in model.named_parameters():
         if "norm" in pname or "bias" in pname:
           p.add_(0.1 * torch.randn_like(p))
+        if pname.endswith("mlp.gate.weight"):  # Routers: clear winners, no top-k near-ties.
+          p.normal_(0.0, 0.5)
     out = FIXTURES / "hf" / name
     shard = "60KB" if name == "tiny_qwen2" else "50MB"  # qwen2 exercises the sharded index
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)

@@ -32,6 +32,33 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """A mixture-of-experts feed-forward block in every layer (Qwen3-MoE, OLMoE, Mixtral).
+
+  Attributes:
+    num_experts: E experts per layer.
+    experts_per_token: k, the router's top-k.
+    intermediate_size: each expert's hidden width (Hugging Face's moe_intermediate_size).
+    norm_topk_prob: renormalise the k chosen probabilities to sum to 1 (Qwen3-MoE's
+      norm_topk_prob, Mixtral); else they stay softmax probabilities over all E (OLMoE).
+  """
+
+  num_experts: int = 8
+  experts_per_token: int = 2
+  intermediate_size: int = 64
+  norm_topk_prob: bool = True
+
+  def __post_init__(self):
+    for name in ("num_experts", "experts_per_token", "intermediate_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise UserError(f"moe config: {name} must be a positive integer, got {value!r}")
+    if self.experts_per_token > self.num_experts:
+      raise UserError(f"moe config: experts_per_token={self.experts_per_token} exceeds "
+                      f"num_experts={self.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """Low-rank adapters W + (alpha / rank) * A @ B on the named layer matrices."""
 
@@ -80,6 +107,7 @@ class ModelConfig:
   remat: str = "none"
   lora: Optional[LoraConfig] = None
   value_head: bool = False  # A scalar value per position, for PPO's critic.
+  moe: Optional[MoeConfig] = None  # Experts in place of the dense MLP in every layer.
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -101,6 +129,11 @@ class ModelConfig:
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise UserError(f"model config: {name}={getattr(self, name)!r} is not a float dtype")
+    if self.moe is not None and self.lora is not None:
+      mlp = sorted(set(self.lora.targets) & {"w_gate", "w_up", "w_down"})
+      if mlp:
+        raise UserError(f"model config: LoRA targets {mlp} name the dense MLP, which a "
+                        "mixture-of-experts model does not have")
 
   @property
   def num_params(self) -> int:
@@ -113,7 +146,10 @@ class ModelConfig:
       attn += d
     if self.qk_norm:
       attn += 2 * hd
-    layer = attn + 3 * d * f + 2 * d
+    mlp = 3 * d * f
+    if self.moe is not None:
+      mlp = self.moe.num_experts * (3 * d * self.moe.intermediate_size + d)
+    layer = attn + mlp + 2 * d
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
     value = d + 1 if self.value_head else 0
     return self.num_layers * layer + self.vocab_size * d + d + head + value

@@ -11,11 +11,12 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.models.config import ModelConfig, RopeScaling
+from jaxrl_post.models.config import ModelConfig, MoeConfig, RopeScaling
 from jaxrl_post.models.transformer import Transformer
 from jaxrl_post.models.weights import model_from_tensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def _sliding_window(c: dict[str, Any], model_type: str, path: str) -> Optional[i
   layer_types marks (by default those from max_window_layers on).
   """
   window = c.get("sliding_window")
-  if model_type not in ("qwen2", "qwen3"):
+  if model_type not in ("qwen2", "qwen3", "qwen3_moe"):
     return int(window) if window else None
   if not window or not c.get("use_sliding_window", False):
     return None
@@ -94,7 +95,7 @@ def _config_fields(c: dict[str, Any], model_type: str, path: str) -> dict[str, A
   heads, hidden = get("num_attention_heads"), get("hidden_size")
   bias = get("attention_bias", bool, False)
   theta, scaling = _rope(c, path)
-  if model_type == "qwen3":  # transformers' Qwen3Config defaults it to 128, not D / heads.
+  if model_type in ("qwen3", "qwen3_moe"):  # transformers defaults it to 128, not D / heads.
     head_dim = get("head_dim")
   else:
     head_dim = get("head_dim", int, hidden // max(heads, 1))
@@ -104,9 +105,30 @@ def _config_fields(c: dict[str, Any], model_type: str, path: str) -> dict[str, A
       num_heads=heads, num_kv_heads=get("num_key_value_heads", int, heads), head_dim=head_dim,
       rope_theta=theta, rope_scaling=scaling, rms_norm_eps=get("rms_norm_eps", float, 1e-6),
       tie_word_embeddings=get("tie_word_embeddings", bool, False),
-      qkv_bias=bias or model_type == "qwen2", o_bias=bias, qk_norm=model_type == "qwen3",
+      qkv_bias=bias or model_type == "qwen2", o_bias=bias,
+      qk_norm=model_type in ("qwen3", "qwen3_moe"),
       sliding_window=_sliding_window(c, model_type, path),
-      max_position_embeddings=get("max_position_embeddings", int, 4096))
+      max_position_embeddings=get("max_position_embeddings", int, 4096),
+      moe=_moe(c, model_type, path) if model_type in MOE_MODEL_TYPES else None)
+
+
+def _moe(c: dict[str, Any], model_type: str, path: str) -> MoeConfig:
+  """The experts of a Qwen3-MoE or Mixtral config; every layer must be sparse."""
+  get = lambda key, cast=int, default=_REQUIRED: _field(c, key, cast, path, default)
+  if model_type == "mixtral":  # Softmax over the top-k logits: renormalised probabilities.
+    return MoeConfig(num_experts=get("num_local_experts"),
+                     experts_per_token=get("num_experts_per_tok"),
+                     intermediate_size=get("intermediate_size"), norm_topk_prob=True)
+  step = get("decoder_sparse_step", int, 1)
+  dense = c.get("mlp_only_layers") or []
+  if step != 1 or dense:
+    raise UserError(f"{path}: decoder_sparse_step={step}, mlp_only_layers={dense}: dense "
+                    "layers between MoE layers are not supported (every layer must be MoE)")
+  experts = c.get("num_experts", c.get("num_local_experts"))
+  return MoeConfig(num_experts=_field({"num_experts": experts}, "num_experts", int, path),
+                   experts_per_token=get("num_experts_per_tok"),
+                   intermediate_size=get("moe_intermediate_size"),
+                   norm_topk_prob=get("norm_topk_prob", bool, False))
 
 
 def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
@@ -183,7 +205,8 @@ class _SafetensorsReader:
 
 
 def load_hf_model(model_dir: str, **overrides) -> Transformer:
-  """Loads a Llama/Qwen2/Qwen3/Mistral checkpoint directory; overrides go to ModelConfig."""
+  """Loads a Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE/Mixtral checkpoint directory; overrides
+  go to ModelConfig."""
   cfg_path = os.path.join(model_dir, "config.json")
   cfg = config_from_hf(read_json(cfg_path), cfg_path, **overrides)
   reader = _SafetensorsReader(model_dir)

@@ -25,6 +25,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.tokenizer import Tokenizer
 from jaxrl_post.models.transformer import layer_param_shapes
+from jaxrl_post.models.weights import expert_name, moe_prefix
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -73,7 +74,14 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   for name in layer_param_shapes(cfg):
     stacked = host(params["layers"][name])  # [L, ...]
     for i in range(cfg.num_layers):
-      out[f"model.layers.{i}.{_LAYER_NAMES[name]}"] = _to_hf_layout(name, stacked[i])
+      pre = f"model.layers.{i}."
+      if name == "router":  # [D, E] -> [E, D]
+        out[pre + moe_prefix(cfg) + "gate.weight"] = np.ascontiguousarray(stacked[i].T)
+      elif name.startswith("we_"):  # [E, in, out] -> E matrices [out, in]
+        for e, w in enumerate(stacked[i]):
+          out[pre + expert_name(cfg, name, e)] = np.ascontiguousarray(w.T)
+      else:
+        out[pre + _LAYER_NAMES[name]] = _to_hf_layout(name, stacked[i])
   out["model.embed_tokens.weight"] = host(params["embed"])  # [V, D] in both.
   out["model.norm.weight"] = host(params["final_norm"])
   if not cfg.tie_word_embeddings:
@@ -94,7 +102,8 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int],
   """config.json for transformers (and config_from_hf, which reads it back)."""
   model_type = _model_type(cfg)
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
+          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
   c: dict[str, Any] = {
       "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -106,20 +115,40 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int],
       "attention_dropout": 0.0,
   }
   c.update(_rope_fields(cfg))
+  if cfg.moe is not None:
+    c.update(_moe_fields(cfg, model_type))
   if model_type == "llama":
     c.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
-  elif model_type in ("qwen2", "qwen3"):
+  elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
     sliding = cfg.sliding_window is not None
     c.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
              max_window_layers=0)  # Layers >= max_window_layers use the window: all of them.
-    if model_type == "qwen3":  # One flag for the Q/K/V and output biases alike.
+    if model_type != "qwen2":  # One flag for the Q/K/V and output biases alike.
       c["attention_bias"] = cfg.qkv_bias
   else:
     c["sliding_window"] = cfg.sliding_window
   return c
 
 
+def _moe_fields(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+  m = cfg.moe
+  if model_type == "mixtral":  # Its experts are intermediate_size wide.
+    if not m.norm_topk_prob:
+      raise UserError("export: Mixtral renormalises its top-k gates; norm_topk_prob=False "
+                      "has no Mixtral form")
+    return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+            "intermediate_size": m.intermediate_size, "router_aux_loss_coef": 0.0}
+  return {"num_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+          "moe_intermediate_size": m.intermediate_size, "norm_topk_prob": m.norm_topk_prob,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
+
+
 def _model_type(cfg: ModelConfig) -> str:
+  if cfg.moe is not None:  # Qwen3-MoE has q/k norms, Mixtral none (see weights.moe_prefix).
+    if cfg.qkv_bias or cfg.o_bias:
+      raise UserError("export: a mixture-of-experts model with attention biases has no "
+                      "Hugging Face architecture here (qwen3_moe and mixtral have none)")
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
   if cfg.qk_norm:
     if cfg.qkv_bias != cfg.o_bias:
       raise UserError("export: a model with q/k norms needs Q/K/V and output biases both or "

@@ -24,10 +24,12 @@ from flax import nnx
 
 from jaxrl_post.kernels import PACKED_ATTENTION_RESIDUALS
 from jaxrl_post.models import layers as L
+from jaxrl_post.models import moe
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.sharding import constrain
 
-LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "lora_rank")
+LOGICAL_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "lora_rank",
+                "expert", "router")
 # How many leading (input) dims each layer matrix contracts; the rest are outputs.
 _INPUT_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
@@ -65,6 +67,10 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
       "w_up": ((d, f), ("embed", "mlp")),
       "w_down": ((f, d), ("mlp", "embed")),
   }
+  if cfg.moe is not None:  # Experts replace the dense MLP.
+    for name in ("w_gate", "w_up", "w_down"):
+      del shapes[name]
+    shapes.update(moe.param_shapes(cfg))
   if cfg.qkv_bias:
     shapes["bq"] = ((hq, hd), ("heads", "head_dim"))
     shapes["bk"] = ((hkv, hd), ("kv_heads", "head_dim"))
@@ -155,18 +161,32 @@ class Transformer(nnx.Module):
 
     attention: how rows attend; the default keeps long rows off [T, T] score tensors.
     """
+    return self.forward_routed(tokens, positions, segment_ids, attention)[0]
+
+  def forward_routed(self, tokens, positions, segment_ids=None,
+                     attention: L.TrainingAttention = L.TrainingAttention(), replay=None):
+    """The packed forward, and each MoE layer's routing (moe.Routing, [L, ...]; None for
+    a dense model).
+
+    replay: [B, T, L, k] expert ids recorded by the rollout engine (moe.NO_EXPERT where
+      none was), which the MoE layers take instead of their own top-k; None routes freely.
+    """
     cfg = self.config
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
     attend = L.packed_attention_fn(segment_ids, positions, cfg.sliding_window, attention)
     x = constrain(self.embed_tokens(tokens), _RESIDUAL)
+    valid = segment_ids != 0
 
-    def body(x, p):
-      return _layer(cfg, x, p, positions, attend), None
+    def body(x, layer):
+      p, rep = layer
+      q, k, v = qkv_projection(cfg, x, p, positions)
+      return post_attention(cfg, x, p, attend(q, k, v), rep, valid)
 
     body = _maybe_remat(body, cfg.remat)
-    x, _ = jax.lax.scan(body, x, self.layers.stacked())
-    return constrain(L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), _RESIDUAL)
+    layers = (self.layers.stacked(), moe.replay_layers(replay, cfg.num_layers))
+    x, routing = jax.lax.scan(body, x, layers)
+    return constrain(L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), _RESIDUAL), routing
 
   def forward_cached(self, tokens, positions, cache: KVCache, write_start):
     """Forward that writes this chunk's K/V into `cache` at `write_start` per row.
@@ -186,7 +206,7 @@ class Transformer(nnx.Module):
 
     def body(x, layer):
       p, ck, cv = layer
-      x, ck, cv = _layer_cached(cfg, x, p, positions, mask, ck, cv, write_start)
+      (x, _), ck, cv = _layer_cached(cfg, x, p, positions, mask, ck, cv, write_start)
       return x, (ck, cv)
 
     x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), cache.k, cache.v))
@@ -254,22 +274,24 @@ def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
-def post_attention(cfg: ModelConfig, x, p, attn):  # [B, T, D], [B, T, Hq, hd] -> [B, T, D]
-  """Output projection + residual, then the SwiGLU MLP block + residual."""
+def post_attention(cfg: ModelConfig, x, p, attn, replay=None, valid=None):
+  """Output projection + residual, then the feed-forward block + residual.
+
+  x [B, T, D], attn [B, T, Hq, hd] -> (x [B, T, D], moe.Routing or None for a dense MLP).
+  replay [B, T, k] and valid [B, T] reach the MoE block (see moe.moe_block).
+  """
   dt = x.dtype
   out = _dense(cfg, constrain(attn, _HEADS), p, "wo")
   if cfg.o_bias:
     out = out + p["bo"].astype(dt)
   x = constrain(x + out, _RESIDUAL)
   h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+  if cfg.moe is not None:
+    out, routing = moe.moe_block(cfg, h, p, replay, valid)
+    return constrain(x + out, _RESIDUAL), routing
   gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
   hidden = constrain(jax.nn.silu(gate) * up, _MLP)
-  return constrain(x + _dense(cfg, hidden, p, "w_down"), _RESIDUAL)
-
-
-def _layer(cfg: ModelConfig, x, p, positions, attend: L.Attend):  # [B, T, D] -> [B, T, D]
-  q, k, v = qkv_projection(cfg, x, p, positions)
-  return post_attention(cfg, x, p, attend(q, k, v))
+  return constrain(x + _dense(cfg, hidden, p, "w_down"), _RESIDUAL), None
 
 
 def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]

@@ -55,8 +55,48 @@ def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int, source: str) -> dic
       "q_norm": ("self_attn.q_norm.weight", (hd,)),
       "k_norm": ("self_attn.k_norm.weight", (hd,)),
   }
-  return {ours: _fetch(get, pre + spec[ours][0], spec[ours][1], shape, source)
-          for ours, (shape, _) in layer_param_shapes(cfg).items()}
+  if cfg.moe is not None:
+    spec.update(_moe_spec(cfg))
+  out = {}
+  for ours, (shape, _) in layer_param_shapes(cfg).items():
+    if ours in _EXPERT_NAMES:
+      out[ours] = _experts(cfg, get, pre, ours, source)
+    else:
+      out[ours] = _fetch(get, pre + spec[ours][0], spec[ours][1], shape, source)
+  return out
+
+
+# Our stacked expert matrices -> the per-expert Hugging Face name of each family.
+_EXPERT_NAMES = {"we_gate": ("gate_proj", "w1"), "we_up": ("up_proj", "w3"),
+                 "we_down": ("down_proj", "w2")}
+
+
+def moe_prefix(cfg: ModelConfig) -> str:
+  """Where a layer's MoE block lives: Qwen3-MoE's "mlp." or Mixtral's "block_sparse_moe.".
+
+  The two families we load differ in q/k norms (Qwen3-MoE has them), which decides it.
+  """
+  return "mlp." if cfg.qk_norm else "block_sparse_moe."
+
+
+def expert_name(cfg: ModelConfig, ours: str, e: int) -> str:
+  qwen, mixtral = _EXPERT_NAMES[ours]
+  if moe_prefix(cfg) == "mlp.":
+    return f"mlp.experts.{e}.{qwen}.weight"
+  return f"block_sparse_moe.experts.{e}.{mixtral}.weight"
+
+
+def _moe_spec(cfg: ModelConfig) -> dict:
+  d, e = cfg.hidden_size, cfg.moe.num_experts
+  return {"router": (moe_prefix(cfg) + "gate.weight", (e, d))}
+
+
+def _experts(cfg: ModelConfig, get: GetTensor, pre: str, ours: str, source: str) -> np.ndarray:
+  """[E, in, out] from the E per-expert [out, in] matrices."""
+  d, f = cfg.hidden_size, cfg.moe.intermediate_size
+  hf_shape = (d, f) if ours == "we_down" else (f, d)
+  return np.stack([_fetch(get, pre + expert_name(cfg, ours, e), hf_shape, hf_shape[::-1],
+                          source) for e in range(cfg.moe.num_experts)])
 
 
 def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transformer:

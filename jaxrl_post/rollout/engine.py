@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.models.moe import NO_EXPERT
 from jaxrl_post.models.transformer import (Transformer, abstract_model, logical_axes,
                                            params_of, with_params)
 from jaxrl_post.rollout import compact, forward, prefill_pack
@@ -210,19 +211,22 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
 
   Returns:
     (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
-    (-1 where a slot produced none), logprobs, active [B]); the last three replicated, so
-    every process reads them whole.
+    (-1 where a slot produced none), logprobs, active [B], the experts of each step's fed
+    token [B, steps, L, k] int16 (MoE models; None otherwise)); all but the first two
+    replicated, so every process reads them whole.
   """
   full = state.page_table
   table = _loop_table(full, shared, width, pool.k.shape[3])
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    pool, state, out_tokens, out_logprobs = _decode_steps(
+    pool, state, out_tokens, out_logprobs, out_experts = _decode_steps(
         params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets,
         truncation)
   state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
                        state._replace(page_table=full))
-  whole = lambda x: jax.lax.with_sharding_constraint(x, layout.replicated)
-  return pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active)
+  whole = lambda tree: jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), tree)
+  return (pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active),
+          whole(out_experts))
 
 
 def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size: int):
@@ -255,6 +259,7 @@ class _Launched(NamedTuple):
   tokens: jax.Array
   logprobs: jax.Array
   active: jax.Array
+  experts: jax.Array | None  # [B, steps, L, k] (MoE models)
   occupant: np.ndarray  # [B] each slot's occupant number at launch
   version: int
 
@@ -265,45 +270,57 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets, trun
   sizes = compact.widths(b // layout.data_shards, buckets)
   out_tokens = jnp.full((b, steps), -1, jnp.int32)
   out_logprobs = jnp.zeros((b, steps), jnp.float32)
+  out_experts = None
+  if cfg.moe is not None:  # int16: routing replay's record, kept small
+    shape = (b, steps, cfg.num_layers, cfg.moe.experts_per_token)
+    out_experts = jnp.full(shape, NO_EXPERT, jnp.int16)
 
   def cond(carry):
-    i, _, st, _, _ = carry
+    i, _, st, _, _, _ = carry
     return (i < steps) & jnp.any(st.active)
 
-  def one_step(pool, st):  # -> (pool, (tokens, logprobs)) for the rows of st
-    logits, pool = forward.decode_step(model, pool, st.tokens, st.lengths, st.page_table,
-                                       st.active, shared, layout)
+  def one_step(pool, st):  # -> (pool, (tokens, logprobs, experts)) for the rows of st
+    logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
+                                                st.page_table, st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
-    return pool, sample(logits, keys, st.temperature, st.top_k, st.top_p, truncation)
+    tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p, truncation)
+    return pool, (tok, lp, experts)
 
   def body(carry):
-    i, pool, st, out_tokens, out_logprobs = carry
+    i, pool, st, out_tokens, out_logprobs, out_experts = carry
     if shared is None and len(sizes) > 1:
-      pool, (tok, lp) = compact.live_rows_step(one_step, pool, st, st.active,
-                                               layout.data_shards, sizes)
+      pool, (tok, lp, experts) = compact.live_rows_step(one_step, pool, st, st.active,
+                                                        layout.data_shards, sizes)
     else:  # Cascade blocks keep their slots: a block shares its prompt's pages.
-      pool, (tok, lp) = one_step(pool, st)
+      pool, (tok, lp, experts) = one_step(pool, st)
     on = st.active
     out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
     out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
+    if out_experts is not None:  # The fed token's experts (it is the previous output).
+      fed = jnp.where(on[:, None, None], experts, NO_EXPERT).astype(jnp.int16)
+      out_experts = out_experts.at[:, i].set(fed)
     n = st.num_generated + on
     stop = jnp.any(tok[:, None] == st.stop_ids, axis=1)
     st = st._replace(tokens=jnp.where(on, tok, st.tokens), lengths=st.lengths + on,
                      num_generated=n, active=on & ~stop & (n < st.max_tokens))
-    return i + 1, pool, st, out_tokens, out_logprobs
+    return i + 1, pool, st, out_tokens, out_logprobs, out_experts
 
-  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs)
-  _, pool, state, out_tokens, out_logprobs = jax.lax.while_loop(cond, body, carry)
-  return pool, state, out_tokens, out_logprobs
+  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs, out_experts)
+  _, pool, state, out_tokens, out_logprobs, out_experts = jax.lax.while_loop(cond, body, carry)
+  return pool, state, out_tokens, out_logprobs, out_experts
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
 def _prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: ModelConfig,
              layout: RolloutLayout):
-  """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token)."""
+  """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
+  each row token's experts [R, T, L, k] int16 replicated, or None for a dense model)."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    logits, pool = forward.prefill_packed(_bind(cfg, params), pool, rows, last, layout)
-  return pool, logits
+    logits, pool, experts = forward.prefill_packed(_bind(cfg, params), pool, rows, last,
+                                                   layout)
+  if experts is not None:
+    experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
+  return pool, logits, experts
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
@@ -359,6 +376,19 @@ def _chunk_width(tokens: int) -> int:
   return pow2_at_least(tokens)
 
 
+def _record_prompt_experts(prefixes, segments, experts, cfg: ModelConfig) -> None:
+  """Stores each prefix's chunk of a prefill call's experts ([R, T, L, k], host) in its
+  `experts` record; chunk c is the tokens whose segment is c, in row order."""
+  flat_segments = np.asarray(segments).reshape(-1)
+  flat = experts.reshape(-1, *experts.shape[2:])
+  for c, prefix in enumerate(prefixes):
+    if prefix.experts is None:
+      shape = (len(prefix.prompt), cfg.num_layers, cfg.moe.experts_per_token)
+      prefix.experts = np.full(shape, NO_EXPERT, np.int16)
+    chunk = flat[flat_segments == c]
+    prefix.experts[prefix.prefilled:prefix.prefilled + len(chunk)] = chunk
+
+
 @dataclasses.dataclass
 class Prefix:
   """A prompt being prefilled, or prefilled and handing its samples to slots.
@@ -374,6 +404,8 @@ class Prefix:
     prefilled: prompt tokens written so far.
     first_tokens / first_logprobs / first_version: each sample's first token, once prefilled.
     next_sample: samples handed out so far (inserted or finished at their first token).
+    experts: MoE models: [P, L, k] int16 each prompt token's experts, filled as the prompt
+      is prefilled (NO_EXPERT for tokens served from the prefix cache).
   """
 
   prompt: np.ndarray
@@ -388,6 +420,7 @@ class Prefix:
   first_logprobs: np.ndarray | None = None
   first_version: int | None = None
   next_sample: int = 0
+  experts: np.ndarray | None = None
 
   @property
   def done(self) -> bool:
@@ -412,12 +445,15 @@ class ResultTokens:
     logprobs: [B, N] float32 behaviour log-probabilities.
     finished: [B] bool, the slot's sequence ended during this call.
     version: the weight version that produced these tokens.
+    experts: MoE models: [B, N, L, k] int16, at step n the experts of the token fed then
+      (the slot's previous token); None for a dense model.
   """
 
   tokens: np.ndarray
   logprobs: np.ndarray
   finished: np.ndarray
   version: int
+  experts: np.ndarray | None = None
 
 
 class Engine:
@@ -614,9 +650,12 @@ class Engine:
                                  p.seq.pages) for p, n in zip(prefixes, counts)]
     rows, last = prefill_pack.pack(chunks, shards=self.shards, page_size=self.page_size,
                                    width=self._packed_width(prefixes, counts))
-    self.pool, logits = _prefill(self.params, self.pool, self.layout.put_rows(rows),
-                                 self.layout.put_replicated(last),
-                                 cfg=self.model_config, layout=self.layout)
+    self.pool, logits, experts = _prefill(self.params, self.pool, self.layout.put_rows(rows),
+                                          self.layout.put_replicated(last),
+                                          cfg=self.model_config, layout=self.layout)
+    if experts is not None:
+      _record_prompt_experts(prefixes, rows.segments, np.asarray(jax.device_get(experts)),
+                             self.model_config)
     finished = []
     for prefix, n in zip(prefixes, counts):
       prefix.prefilled += n
@@ -815,13 +854,13 @@ class Engine:
       width = self._table_width(max(int((needed - start).max()), 1))
     else:
       shared, width = None, self._table_width(max(int(needed.max()), 1))
-    self.pool, self._device_slots, tokens, logprobs, active = _decode_loop(
+    self.pool, self._device_slots, tokens, logprobs, active, experts = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets,
         truncation=self._truncating())
-    for x in (tokens, logprobs, active):
+    for x in jax.tree.leaves((tokens, logprobs, active, experts)):
       x.copy_to_host_async()  # Fetched while later calls run.
-    self._pending.append(_Launched(tokens, logprobs, active, self._occupant.copy(),
+    self._pending.append(_Launched(tokens, logprobs, active, experts, self._occupant.copy(),
                                    self.version))
 
   def _truncating(self) -> bool:
@@ -835,7 +874,8 @@ class Engine:
     date. Rows of slots emptied or refilled since that launch come back as producing
     nothing (the call did not decode their current occupant)."""
     call = self._pending.popleft()
-    tokens, logprobs, active = jax.device_get((call.tokens, call.logprobs, call.active))
+    tokens, logprobs, active, experts = jax.device_get((call.tokens, call.logprobs,
+                                                        call.active, call.experts))
     same = call.occupant == self._occupant  # [B] the slot holds what the call decoded
     tokens = np.where(same[:, None], tokens, -1)
     logprobs = np.where(same[:, None], logprobs, 0.0).astype(np.float32)
@@ -847,7 +887,7 @@ class Engine:
     s.num_generated[:] += produced
     was_active = s.active & same
     s.active[:] = np.where(same, active, s.active)
-    return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version)
+    return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version, experts)
 
   def _grow_pages(self, steps: int) -> np.ndarray:
     """Pages for each active slot's next `steps` tokens (taken from its reservation), and a

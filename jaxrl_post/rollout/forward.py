@@ -62,6 +62,8 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
   """Scans the layers over x [B, T, D] at positions [B, T].
 
   attend_and_write(pool, layer, q, k, v) stores the new K/V and returns (attn, pool).
+  Returns (x, pool, experts): experts [B, T, L, k] int32, each MoE layer's choice for
+  each token (what routing replay records), or None for a dense model.
   """
   cfg = model.config
 
@@ -71,11 +73,14 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
     p, layer = layer_in
     q, k, v = qkv_projection(cfg, x, p, positions)
     attn, pool = attend_and_write(pool, layer, q, k, v)
-    return (post_attention(cfg, x, p, attn), pool), None
+    x, routing = post_attention(cfg, x, p, attn)
+    return (x, pool), None if routing is None else routing.experts
 
   layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, pool), _ = jax.lax.scan(body, (x, pool), (model.layers.stacked(), layer_ids))
-  return x, pool
+  (x, pool), experts = jax.lax.scan(body, (x, pool), (model.layers.stacked(), layer_ids))
+  if experts is not None:  # [L, B, T, k] -> [B, T, L, k]
+    experts = jnp.moveaxis(experts, 0, 2)
+  return x, pool, experts
 
 
 def _final_logits(model: Transformer, h):  # [B, D] -> [B, V] float32
@@ -156,13 +161,14 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
     layout: where the rows and pages live (default: one device).
 
   Returns:
-    (logits [B, V] float32, updated pool).
+    (logits [B, V] float32, updated pool, the fed tokens' experts [B, L, k] int32 or None
+    for a dense model).
   """
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
   attend = _decode_attention(layout, model.config, page_table, lengths, active, shared)
-  x, pool = _run_layers(model, pool, x, lengths[:, None], attend)
-  return _final_logits(model, x[:, 0]), pool
+  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend)
+  return _final_logits(model, x[:, 0]), pool, None if experts is None else experts[:, 0]
 
 
 def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):
@@ -200,11 +206,12 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
     layout: where the rows and pages live (default: one device).
 
   Returns:
-    (logits [C, V] float32 after each chunk's last token, updated pool).
+    (logits [C, V] float32 after each chunk's last token, updated pool, each row token's
+    experts [B, T, L, k] int32 or None for a dense model).
   """
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(rows.tokens)  # [B, T, D]
   attend = _prefill_attention(layout, model.config, rows)
-  x, pool = _run_layers(model, pool, x, rows.positions, attend)
+  x, pool, experts = _run_layers(model, pool, x, rows.positions, attend)
   ends = jnp.take(x.reshape(-1, x.shape[-1]), last, axis=0)  # [C, D]
-  return _final_logits(model, ends), pool
+  return _final_logits(model, ends), pool, experts

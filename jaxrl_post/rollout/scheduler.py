@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -102,12 +102,16 @@ class Completion:
     logprobs: behaviour log-probability of each token.
     finish_reason: "stop" or "length".
     versions: the weight version that produced each token.
+    experts: MoE models: [P + N - 1, L, k] int16, the experts each layer chose for every
+      token the model was fed -- the P prompt tokens, then every completion token but the
+      last -- which routing replay hands to the trainer; None for a dense model.
   """
 
   tokens: tuple[int, ...]
   logprobs: tuple[float, ...]
   finish_reason: str
   versions: tuple[int, ...]
+  experts: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
 
   @property
   def weight_version(self) -> int:
@@ -132,10 +136,13 @@ class _Running:
   tokens: list
   logprobs: list
   versions: list
+  experts: Optional[list] = None  # [n, L, k] arrays: the prompt's, then each call's
 
   def completion(self) -> Completion:
     reason = "stop" if self.tokens[-1] in self.stop_ids else "length"
-    return Completion(tuple(self.tokens), tuple(self.logprobs), reason, tuple(self.versions))
+    experts = None if self.experts is None else np.concatenate(self.experts)
+    return Completion(tuple(self.tokens), tuple(self.logprobs), reason, tuple(self.versions),
+                      experts)
 
 
 class Scheduler:
@@ -329,7 +336,8 @@ class Scheduler:
   def _first_only(self, g: _Group, prefix, j: int) -> _Running:
     return _Running(g.rid, g.sample_ids[j], frozenset(g.sampling.stop_ids),
                     [int(prefix.first_tokens[j])], [float(prefix.first_logprobs[j])],
-                    [prefix.first_version])
+                    [prefix.first_version],
+                    None if prefix.experts is None else [prefix.experts])
 
   def _bulk_insert(self, g: _Group, prefix, slots: list[int]) -> None:
     if not slots:
@@ -355,6 +363,8 @@ class Scheduler:
       run.tokens.extend(out.tokens[slot][produced].tolist())
       run.logprobs.extend(out.logprobs[slot][produced].tolist())
       run.versions.extend([out.version] * int(produced.sum()))
+      if run.experts is not None:  # Step n's record is the token fed then: the one before.
+        run.experts.append(out.experts[slot][produced])
       if out.finished[slot]:
         finished.append((run.rid, run.sample, run.completion()))
         self.engine.free_resource(slot)

@@ -3,7 +3,7 @@
 The expected values are golden fixtures written by scripts/make_hf_fixtures.py, which runs
 transformers once: tiny random Llama (llama3 RoPE scaling), Qwen2 (qkv bias, tied, sharded
 safetensors), Mistral (sliding window) and Qwen3 (q/k norms, head_dim 32 != hidden / heads,
-untied and tied) saved with save_pretrained, and the embedded SmolLM2-135M-Instruct GGUF
+untied and tied), Qwen3-MoE (8 experts, top-2) saved with save_pretrained, and the embedded SmolLM2-135M-Instruct GGUF
 loaded by transformers with gguf_file=....
 """
 
@@ -19,8 +19,10 @@ from jaxrl_post import models
 from jaxrl_post.models.decode import generate_dense
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
-TINY = ("tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_qwen3_tied")
-QWEN3 = ("tiny_qwen3", "tiny_qwen3_tied")  # Their fixtures also hold greedy continuations.
+TINY = ("tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_qwen3_tied",
+        "tiny_qwen3_moe")
+# Their fixtures also hold greedy continuations.
+QWEN3 = ("tiny_qwen3", "tiny_qwen3_tied", "tiny_qwen3_moe")
 LOGIT_TOL = 1e-4  # Issue target for tiny models in float32.
 LOG_SOFTMAX_TOL = 1e-3  # Issue target for SmolLM2's last position in float32.
 
