@@ -376,15 +376,12 @@ def _chunk_width(tokens: int) -> int:
   return pow2_at_least(tokens)
 
 
-def _record_prompt_experts(prefixes, segments, experts, cfg: ModelConfig) -> None:
+def _record_prompt_experts(prefixes, segments, experts) -> None:
   """Stores each prefix's chunk of a prefill call's experts ([R, T, L, k], host) in its
   `experts` record; chunk c is the tokens whose segment is c, in row order."""
   flat_segments = np.asarray(segments).reshape(-1)
   flat = experts.reshape(-1, *experts.shape[2:])
   for c, prefix in enumerate(prefixes):
-    if prefix.experts is None:
-      shape = (len(prefix.prompt), cfg.num_layers, cfg.moe.experts_per_token)
-      prefix.experts = np.full(shape, NO_EXPERT, np.int16)
     chunk = flat[flat_segments == c]
     prefix.experts[prefix.prefilled:prefix.prefilled + len(chunk)] = chunk
 
@@ -405,7 +402,7 @@ class Prefix:
     first_tokens / first_logprobs / first_version: each sample's first token, once prefilled.
     next_sample: samples handed out so far (inserted or finished at their first token).
     experts: MoE models: [P, L, k] int16 each prompt token's experts, filled as the prompt
-      is prefilled (NO_EXPERT for tokens served from the prefix cache).
+      is prefilled (tokens served from the prefix cache take the cache's record).
   """
 
   prompt: np.ndarray
@@ -654,15 +651,17 @@ class Engine:
                                           self.layout.put_replicated(last),
                                           cfg=self.model_config, layout=self.layout)
     if experts is not None:
-      _record_prompt_experts(prefixes, rows.segments, np.asarray(jax.device_get(experts)),
-                             self.model_config)
+      for prefix in prefixes:
+        self._prompt_experts(prefix)
+      _record_prompt_experts(prefixes, rows.segments, np.asarray(jax.device_get(experts)))
     finished = []
     for prefix, n in zip(prefixes, counts):
       prefix.prefilled += n
       if prefix.prefilled == len(prefix.prompt):
         finished.append(prefix)
         if self.prefix_caches:
-          self.prefix_caches[prefix.shard].add(prefix.prompt, prefix.seq.pages)
+          self.prefix_caches[prefix.shard].add(prefix.prompt, prefix.seq.pages,
+                                               prefix.experts)
     if finished:
       order = {id(p): i for i, p in enumerate(prefixes)}
       self._draw_first_tokens(finished, [order[id(p)] for p in finished], logits)
@@ -683,9 +682,19 @@ class Engine:
     found = self.prefix_caches[prefix.shard].match(prefix.prompt)
     prefix.seq.share_leading(found.pages)
     prefix.prefilled = found.tokens(self.page_size)
+    if found.record is not None:  # The cached tokens' experts (MoE models).
+      self._prompt_experts(prefix)[:prefix.prefilled] = found.record
     if found.partial is None:
       return []
     return [(found.partial, prefix.seq.pages[len(found.pages)])]
+
+  def _prompt_experts(self, prefix: Prefix) -> np.ndarray:
+    """The prefix's [P, L, k] expert record, created (all NO_EXPERT) on first use."""
+    if prefix.experts is None:
+      cfg = self.model_config
+      shape = (len(prefix.prompt), cfg.num_layers, cfg.moe.experts_per_token)
+      prefix.experts = np.full(shape, NO_EXPERT, np.int16)
+    return prefix.experts
 
   @property
   def cached_prompt_tokens(self) -> int:

@@ -11,6 +11,10 @@ cached pages that follow the same whole pages, the one whose leading tokens matc
 prompt's longest is named in the match, and the engine copies it into the prompt's own
 page (copy on write) and prefills from the first token that differs.
 
+Each page may carry a per-token record beside its K/V (a MoE model's expert choices,
+which routing replay needs for every prompt token); a match hands back the record of the
+tokens it supplies, so a cached prompt is never a gap in it.
+
 The cache holds one reference per page. Pages that only the cache holds are evicted,
 least recently used first, when the pool runs short. A page's K/V belongs to the weights
 that wrote it, so the engine clears the cache when its weights change.
@@ -35,10 +39,13 @@ class PrefixMatch(NamedTuple):
   pages: cached pages holding its leading whole pages, to share as they are.
   partial: a cached page whose first `partial_tokens` tokens are the prompt's next ones,
     to copy into the prompt's own page len(pages); None when no page starts that way.
+  record: the per-token records of the supplied tokens ([tokens, ...]), when the pages
+    were added with one; else None.
   """
   pages: list[int]
   partial: Optional[int]
   partial_tokens: int
+  record: Optional[np.ndarray] = None
 
   def tokens(self, page_size: int) -> int:
     """Prompt tokens whose K/V the match supplies."""
@@ -55,6 +62,7 @@ class PrefixCache:
     # matching inside a page; _parent inverts it for eviction.
     self._children: dict[bytes, dict[bytes, np.ndarray]] = {}
     self._parent: dict[bytes, bytes] = {}
+    self._records: dict[bytes, np.ndarray] = {}  # Per-token records of a page, if added.
     self.hit_tokens = 0  # Prompt tokens served from the cache instead of prefilled.
 
   def __len__(self) -> int:
@@ -72,23 +80,34 @@ class PrefixCache:
     The last prompt token is always left out: its prefill gives the logits of the first
     sampled token."""
     limit, ps = len(prompt) - 1, self.page_size
-    pages, parent = [], _ROOT
+    pages, parent, used = [], _ROOT, []
     for digest in self._digests(prompt, limit // ps):
       page = self._pages.get(digest)
       if page is None:
         break
       self._pages.move_to_end(digest)
       pages.append(page)
+      used.append((digest, ps))
       parent = digest
     at = len(pages) * ps
-    partial, n = self._longest_start(parent, np.asarray(prompt[at:min(at + ps, limit)]))
-    found = PrefixMatch(pages, partial, n)
+    child, n = self._longest_start(parent, np.asarray(prompt[at:min(at + ps, limit)]))
+    partial = None if child is None else self._pages[child]
+    if child is not None:
+      used.append((child, n))
+    found = PrefixMatch(pages, partial, n, self._record_of(used))
     self.hit_tokens += found.tokens(ps)
     return found
 
-  def _longest_start(self, parent: bytes, tokens: np.ndarray) -> tuple[Optional[int], int]:
-    """The child page of `parent` whose leading tokens match `tokens` longest (ties: the
-    first cached), and how many match."""
+  def _record_of(self, used: list[tuple[bytes, int]]) -> Optional[np.ndarray]:
+    """The leading tokens' records of these (page digest, tokens) pairs, or None."""
+    parts = [self._records.get(digest) for digest, _ in used]
+    if not parts or any(p is None for p in parts):
+      return None
+    return np.concatenate([p[:n] for p, (_, n) in zip(parts, used)])
+
+  def _longest_start(self, parent: bytes, tokens: np.ndarray) -> tuple[Optional[bytes], int]:
+    """The child page (digest) of `parent` whose leading tokens match `tokens` longest
+    (ties: the first cached), and how many match."""
     children = self._children.get(parent)
     if not children or not len(tokens):
       return None, 0
@@ -99,10 +118,12 @@ class PrefixCache:
     if matched[best] == 0:
       return None, 0
     self._pages.move_to_end(digests[best])
-    return self._pages[digests[best]], int(matched[best])
+    return digests[best], int(matched[best])
 
-  def add(self, prompt: np.ndarray, pages: list[int]) -> None:
-    """Keeps the whole pages of a prefilled prompt (pages[i] holds its page i)."""
+  def add(self, prompt: np.ndarray, pages: list[int],
+          record: Optional[np.ndarray] = None) -> None:
+    """Keeps the whole pages of a prefilled prompt (pages[i] holds its page i), with each
+    token's record ([P, ...]) when given."""
     parent, ps = _ROOT, self.page_size
     for i, (digest, page) in enumerate(zip(self._digests(prompt, len(prompt) // ps), pages)):
       if digest in self._pages:
@@ -113,11 +134,14 @@ class PrefixCache:
         self._parent[digest] = parent
         self._children.setdefault(parent, {})[digest] = np.array(prompt[i * ps:(i + 1) * ps],
                                                                  np.int32)
+        if record is not None:
+          self._records[digest] = np.array(record[i * ps:(i + 1) * ps])
       parent = digest
 
   def _forget(self, digest: bytes) -> None:
     page = self._pages.pop(digest)
     parent = self._parent.pop(digest)
+    self._records.pop(digest, None)
     siblings = self._children[parent]
     del siblings[digest]
     if not siblings:
@@ -143,3 +167,4 @@ class PrefixCache:
     self._pages.clear()
     self._children.clear()
     self._parent.clear()
+    self._records.clear()

@@ -33,15 +33,15 @@ def test_match_takes_whole_leading_pages_and_leaves_the_last_token():
   assert len(cache) == 3 and all(alloc.refcount[p] == 2 for p in pages)
   # The same prompt: its last page holds its last token, which must be prefilled, and
   # the page before it matches up to that token.
-  assert cache.match(prompt) == (pages[:2], pages[2], PS - 1)
+  assert cache.match(prompt)[:3] == (pages[:2], pages[2], PS - 1)
   longer = np.concatenate([prompt, [7]]).astype(np.int32)
-  assert cache.match(longer) == (pages, None, 0)
+  assert cache.match(longer)[:3] == (pages, None, 0)
   other = prompt.copy()
   other[PS + 1] += 1  # Differs in the second page: the first matches whole, one more token.
-  assert cache.match(other) == (pages[:1], pages[1], 1)
+  assert cache.match(other)[:3] == (pages[:1], pages[1], 1)
   first_differs = prompt.copy()
   first_differs[0] += 1
-  assert cache.match(first_differs) == ([], None, 0)
+  assert cache.match(first_differs)[:3] == ([], None, 0)
   assert cache.hit_tokens == (3 * PS - 1) + 3 * PS + (PS + 1)
 
 
@@ -58,7 +58,7 @@ def test_match_inside_a_page_takes_the_longest_matching_cached_page():
   assert len(cache) == 4  # One head page, three second pages.
   prompt = np.concatenate([head, [1, 2, 3, 5, 6]]).astype(np.int32)
   # [1, 2, 3, 9] and [1, 2, 3, 4] both match 3 tokens: the first cached is taken.
-  assert cache.match(prompt) == ([taken[0][0]], taken[1][1], 3)
+  assert cache.match(prompt)[:3] == ([taken[0][0]], taken[1][1], 3)
   # A shorter prompt stops one token before its end, inside the page.
   found = cache.match(np.concatenate([head, [1, 2, 3]]).astype(np.int32))
   assert found.partial_tokens == 2 and found.tokens(PS) == PS + 2
@@ -66,7 +66,7 @@ def test_match_inside_a_page_takes_the_longest_matching_cached_page():
   for page in sum(taken, []):
     alloc.release(page)
   assert cache.evict(16) == 4 and len(cache) == 0
-  assert cache.match(prompt) == ([], None, 0)
+  assert cache.match(prompt)[:3] == ([], None, 0)
 
 
 def test_evict_frees_only_pages_nobody_else_holds_oldest_first():
@@ -139,3 +139,21 @@ def test_matches_inside_a_page_on_every_data_shard(group_slots):
   assert eng.cached_prompt_tokens == (len(prompts) - 2) * (2 * PS + 3)
   eng.drop_prefix_cache()
   assert eng.pages_in_use == 0
+
+
+def test_match_returns_the_records_of_the_tokens_it_supplies():
+  alloc = PageAllocator(16)
+  cache = PrefixCache(alloc, PS)
+  prompt = np.arange(3 * PS, dtype=np.int32)
+  record = np.arange(3 * PS * 2).reshape(3 * PS, 2)  # Two values per token.
+  alloc.reserve(3)
+  cache.add(prompt, [alloc.take_reserved() for _ in range(3)], record)
+  other = prompt.copy()
+  other[PS + 2] += 1  # One whole page, then two tokens of the second.
+  found = cache.match(other)
+  assert found.tokens(PS) == PS + 2
+  np.testing.assert_array_equal(found.record, record[:PS + 2])
+  plain = PrefixCache(alloc, PS)  # Pages added without records: none comes back.
+  alloc.reserve(1)
+  plain.add(prompt[:PS], [alloc.take_reserved()])
+  assert plain.match(prompt).record is None
