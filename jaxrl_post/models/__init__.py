@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.models.config import LoraConfig, ModelConfig, RopeScaling
+from jaxrl_post.models.config import LoraConfig, ModelConfig, MoeConfig, RopeScaling
 from jaxrl_post.models.presets import EMBEDDED, PRESETS, embedded_path, preset
 from jaxrl_post.models.tokenizer import Tokenizer
 from jaxrl_post.models.transformer import KVCache, Transformer, abstract_model, init_model
 
-__all__ = ["KVCache", "LoraConfig", "ModelConfig", "RopeScaling", "Tokenizer", "Transformer", "abstract_model",
+__all__ = ["KVCache", "LoraConfig", "ModelConfig", "MoeConfig", "RopeScaling", "Tokenizer", "Transformer", "abstract_model",
            "init_model", "load", "preset", "PRESETS", "EMBEDDED"]
 
 

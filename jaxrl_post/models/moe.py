@@ -4,10 +4,12 @@ Every token goes to its k chosen experts; none is dropped for capacity. The (tok
 pairs are sorted by expert and each expert's rows run as one group of a grouped matmul
 (`jax.lax.ragged_dot`), so the work is the k experts' FLOPs per token, not E's.
 
-Routing replay: given the expert ids the rollout engine chose for each token, the block
-takes those experts instead of its own top-k, and computes their gates from its own router
-probabilities at them -- the tokens go through the experts that produced them, and the
-router still gets a gradient. Tokens with no recorded ids (id -1) use their own choice.
+Routing replay: given the expert ids the rollout engine chose for each token (recorded),
+the block takes those experts instead of its own top-k, and computes their gates from its
+own router probabilities at them -- the tokens go through the experts that produced them,
+and the router still gets a gradient. Tokens with no recorded ids (id -1) use their own
+choice. Recorded ids that are not replayed are still compared with the router's own
+choice, which is how often replay changes anything.
 
 Experts are sharded over the mesh's "expert" axis when the active rules give it one (see
 sharding.rules): every device of an expert shard sees its batch shard's tokens, runs the
@@ -33,8 +35,8 @@ class Routing(NamedTuple):
 
   experts: jax.Array  # [B, T, k] int32: the router's own top-k (what a rollout records)
   balance: jax.Array  # [] float32: the load-balancing loss of the layer's real tokens
-  agree: jax.Array  # [] float32: replayed (token) choices equal to the router's own
-  replayed: jax.Array  # [] float32: tokens that had recorded ids
+  agree: jax.Array  # [] float32: recorded tokens whose recorded experts are the router's own
+  recorded: jax.Array  # [] float32: real tokens that had recorded ids
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -111,24 +113,27 @@ def balance_loss(probs, ids, valid, num_experts: int):
   return num_experts * jnp.sum(share * mean_prob)
 
 
-def moe_block(cfg: ModelConfig, h, p, replay=None, valid=None):
+def moe_block(cfg: ModelConfig, h, p, recorded=None, valid=None, replay: bool = True):
   """The MoE feed-forward of normed hidden states h [B, T, D] -> ([B, T, D], Routing).
 
-  p holds the layer's router and expert weights; replay [B, T, k] recorded ids or None;
-  valid [B, T] bool real tokens (None: all) for the balance loss and agreement.
+  p holds the layer's router and expert weights; recorded [B, T, k] the rollout's ids
+  (NO_EXPERT where none) or None; replay (static) routes by them, else they are only
+  compared; valid [B, T] bool real tokens (None: all) for the balance loss and agreement.
   """
   b, t, d = h.shape
   flat = h.reshape(b * t, d)
-  rep = None if replay is None else replay.reshape(b * t, -1)
-  ids, gates, probs, own = route(cfg, flat, p["router"], rep)
+  rec = None if recorded is None else recorded.reshape(b * t, -1)
+  ids, gates, probs, own = route(cfg, flat, p["router"], rec if replay else None)
   out = _sharded_experts(flat, ids, gates, p["we_gate"], p["we_up"], p["we_down"])
   real = jnp.ones((b * t,), bool) if valid is None else valid.reshape(-1)
-  same = jnp.all(jnp.sort(ids, axis=-1) == jnp.sort(own, axis=-1), axis=-1)
-  recorded = real if rep is None else real & jnp.all(rep >= 0, axis=-1)
+  if rec is None:
+    agree = has = jnp.float32(0.0)
+  else:
+    has = real & jnp.all(rec >= 0, axis=-1)
+    same = jnp.all(jnp.sort(rec, axis=-1) == jnp.sort(own, axis=-1), axis=-1)
+    agree, has = jnp.sum(same & has).astype(jnp.float32), jnp.sum(has).astype(jnp.float32)
   routing = Routing(own.reshape(b, t, -1).astype(jnp.int32),
-                    balance_loss(probs, ids, real, cfg.moe.num_experts),
-                    jnp.sum(same & recorded).astype(jnp.float32),
-                    jnp.sum(recorded).astype(jnp.float32))
+                    balance_loss(probs, ids, real, cfg.moe.num_experts), agree, has)
   return out.reshape(b, t, d), routing
 
 
@@ -154,12 +159,12 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
                        out_specs=tokens, check_vma=False)(x, ids, gates, w_gate, w_up, w_down)
 
 
-def replay_layers(replay: Optional[jax.Array], num_layers: int):
+def recorded_layers(recorded: Optional[jax.Array], num_layers: int):
   """Recorded ids [B, T, L, k] -> per-layer scan inputs [L, B, T, k] (None stays None)."""
-  if replay is None:
+  if recorded is None:
     return None
-  assert replay.shape[2] == num_layers, (replay.shape, num_layers)
-  return jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
+  assert recorded.shape[2] == num_layers, (recorded.shape, num_layers)
+  return jnp.moveaxis(recorded.astype(jnp.int32), 2, 0)
 
 
 def experts_ffn_reference(x, ids, gates, w_gate, w_up, w_down):

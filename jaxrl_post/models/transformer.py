@@ -164,12 +164,15 @@ class Transformer(nnx.Module):
     return self.forward_routed(tokens, positions, segment_ids, attention)[0]
 
   def forward_routed(self, tokens, positions, segment_ids=None,
-                     attention: L.TrainingAttention = L.TrainingAttention(), replay=None):
+                     attention: L.TrainingAttention = L.TrainingAttention(), recorded=None,
+                     replay: bool = True):
     """The packed forward, and each MoE layer's routing (moe.Routing, [L, ...]; None for
     a dense model).
 
-    replay: [B, T, L, k] expert ids recorded by the rollout engine (moe.NO_EXPERT where
-      none was), which the MoE layers take instead of their own top-k; None routes freely.
+    recorded: [B, T, L, k] expert ids recorded by the rollout engine (moe.NO_EXPERT where
+      none was), or None.
+    replay: the MoE layers take the recorded experts instead of their own top-k (routing
+      replay); False only compares them with their own choice.
     """
     cfg = self.config
     if segment_ids is None:
@@ -179,12 +182,12 @@ class Transformer(nnx.Module):
     valid = segment_ids != 0
 
     def body(x, layer):
-      p, rep = layer
+      p, rec = layer
       q, k, v = qkv_projection(cfg, x, p, positions)
-      return post_attention(cfg, x, p, attend(q, k, v), rep, valid)
+      return post_attention(cfg, x, p, attend(q, k, v), rec, valid, replay)
 
     body = _maybe_remat(body, cfg.remat)
-    layers = (self.layers.stacked(), moe.replay_layers(replay, cfg.num_layers))
+    layers = (self.layers.stacked(), moe.recorded_layers(recorded, cfg.num_layers))
     x, routing = jax.lax.scan(body, x, layers)
     return constrain(L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), _RESIDUAL), routing
 
@@ -274,11 +277,12 @@ def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
-def post_attention(cfg: ModelConfig, x, p, attn, replay=None, valid=None):
+def post_attention(cfg: ModelConfig, x, p, attn, recorded=None, valid=None,
+                   replay: bool = True):
   """Output projection + residual, then the feed-forward block + residual.
 
   x [B, T, D], attn [B, T, Hq, hd] -> (x [B, T, D], moe.Routing or None for a dense MLP).
-  replay [B, T, k] and valid [B, T] reach the MoE block (see moe.moe_block).
+  recorded [B, T, k], valid [B, T] and replay reach the MoE block (see moe.moe_block).
   """
   dt = x.dtype
   out = _dense(cfg, constrain(attn, _HEADS), p, "wo")
@@ -287,7 +291,7 @@ def post_attention(cfg: ModelConfig, x, p, attn, replay=None, valid=None):
   x = constrain(x + out, _RESIDUAL)
   h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
   if cfg.moe is not None:
-    out, routing = moe.moe_block(cfg, h, p, replay, valid)
+    out, routing = moe.moe_block(cfg, h, p, recorded, valid, replay)
     return constrain(x + out, _RESIDUAL), routing
   gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
   hidden = constrain(jax.nn.silu(gate) * up, _MLP)

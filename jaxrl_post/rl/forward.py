@@ -15,13 +15,14 @@ device gathers and runs the head on its own tokens, so no device reads another's
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.kernels import ChunkedLogprobConfig, chunked_logprob
-from jaxrl_post.models import Transformer
+from jaxrl_post.models import Transformer, moe
 from jaxrl_post.models.layers import batch_shards
 from jaxrl_post.models.transformer import with_params
 from jaxrl_post.rl.packing import gather_completions
@@ -40,22 +41,36 @@ class PackedInputs:
   completion_mask: jax.Array  # [B, T]
   head_index: jax.Array  # [N] flat positions the LM head runs at, grouped by row shard
   head_slot: jax.Array  # [B, T] entry of head_index per completion token
+  experts: Optional[jax.Array] = None  # [R, S, L, k] the rollout's experts (MoE), or None
 
   @classmethod
   def from_packed(cls, packed) -> "PackedInputs":
-    return cls(*(jnp.asarray(getattr(packed, f.name)) for f in dataclasses.fields(cls)))
+    return cls(*(_maybe(jnp.asarray, getattr(packed, f.name)) for f in dataclasses.fields(cls)))
 
   @classmethod
   def on_host(cls, packed) -> "PackedInputs":
     """numpy leaves, for placing straight onto a mesh (no stop on one device first)."""
-    return cls(*(np.asarray(getattr(packed, f.name)) for f in dataclasses.fields(cls)))
+    return cls(*(_maybe(np.asarray, getattr(packed, f.name)) for f in dataclasses.fields(cls)))
 
 
-def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
-                        temperature: float = 1.0,
-                        chunking: ChunkedLogprobConfig = ChunkedLogprobConfig(),
-                        with_values: bool = False):
-  """(logprob [B, T], entropy [B, T]) of each completion token, 0 where masked.
+def _maybe(fn, x):
+  return None if x is None else fn(x)
+
+
+class CompletionOutputs(NamedTuple):
+  """Per completion token [B, T] (0 where masked), and the MoE layers' routing."""
+
+  logprobs: jax.Array
+  entropy: jax.Array
+  values: Optional[jax.Array]  # the critic's, with_values only
+  routing: Optional[moe.Routing]  # [L, ...] per layer; None for a dense model
+
+
+def completion_outputs(model: Transformer, params: dict, inputs: PackedInputs,
+                       temperature: float = 1.0,
+                       chunking: ChunkedLogprobConfig = ChunkedLogprobConfig(),
+                       with_values: bool = False, replay: bool = False) -> CompletionOutputs:
+  """Logprobs and entropy of each completion token, and what else the forward gives.
 
   Args:
     model: any model of the right structure (abstract is fine); its values are unused.
@@ -63,10 +78,12 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
     inputs: the packed batch.
     temperature: the sampling temperature the rollout used, so logprobs match it.
     chunking: block sizes of the chunked logprob kernel.
-    with_values: also return the critic's values [B, T] of the states that sampled each
+    with_values: also the critic's values [B, T] of the states that sampled each
       completion token (the model needs a value head).
+    replay: MoE layers route by the rollout's recorded experts (inputs.experts) instead
+      of their own top-k (routing replay); either way they report agreement with them.
   """
-  m, h, targets = head_states(model, params, inputs)
+  m, h, targets, routing = head_states(model, params, inputs, replay)
   lm_head = m.lm_head_weight().astype(h.dtype)
   logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking)
 
@@ -74,17 +91,28 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
     out = gather_completions(x, inputs.head_slot, inputs.completion_mask)
     return constrain(out, ("batch", None))
 
-  if with_values:
-    return gather(logp), gather(ent), gather(m.values(h))
-  return gather(logp), gather(ent)
+  values = gather(m.values(h)) if with_values else None
+  return CompletionOutputs(gather(logp), gather(ent), values, routing)
 
 
-def head_states(model: Transformer, params: dict, inputs: PackedInputs):
-  """(the model bound to params, hidden states [G, n, D], targets [G, n]) at the batch's
-  head positions: the forward every per-completion-token quantity starts from."""
+def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
+                        temperature: float = 1.0,
+                        chunking: ChunkedLogprobConfig = ChunkedLogprobConfig(),
+                        with_values: bool = False, replay: bool = False):
+  """(logprob [B, T], entropy [B, T]) of each completion token, 0 where masked, and the
+  critic's values [B, T] with_values (see completion_outputs)."""
+  out = completion_outputs(model, params, inputs, temperature, chunking, with_values, replay)
+  return out[:3] if with_values else out[:2]
+
+
+def head_states(model: Transformer, params: dict, inputs: PackedInputs, replay: bool = False):
+  """(the model bound to params, hidden states [G, n, D], targets [G, n], MoE routing or
+  None) at the batch's head positions: the forward every per-completion-token quantity
+  starts from."""
   m = with_params(model, params)
-  hidden = m(inputs.tokens, inputs.positions, inputs.segment_ids)  # [R, S, D]
-  return (m, *head_inputs(hidden, inputs.targets, inputs.head_index))
+  hidden, routing = m.forward_routed(inputs.tokens, inputs.positions, inputs.segment_ids,
+                                     recorded=inputs.experts, replay=replay)  # [R, S, D]
+  return (m, *head_inputs(hidden, inputs.targets, inputs.head_index), routing)
 
 
 def head_inputs(hidden, targets, head_index):

@@ -23,7 +23,7 @@ compiles a few shapes, not one per step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -32,8 +32,12 @@ from jaxrl_post.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
+  """A prompt and its completion; for a MoE policy also the experts the rollout chose for
+  each token it fed ([P + N - 1, L, k], see rollout.scheduler.Completion), for replay."""
+
   prompt: Sequence[int]
   completion: Sequence[int]
+  experts: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,9 @@ class PackedBatch:
       rows; unused entries hold the shard's first position (their results are never read).
     head_slot: [B, T] the entry of head_index that predicts completion token t of
       trajectory b (0 where masked).
+    experts: [R, S, L, k] int16 the rollout's experts for each position's token
+      (NO_EXPERT where none: padding, a completion's last token), when the trajectories
+      carry them; else None.
   """
 
   tokens: np.ndarray
@@ -63,6 +70,7 @@ class PackedBatch:
   completion_mask: np.ndarray
   head_index: np.ndarray
   head_slot: np.ndarray
+  experts: Optional[np.ndarray] = None
 
   def gather(self, per_token):  # [R, S] (or [R * S]) -> [B, T]
     """Per-token values of the packed rows in the padded completion layout."""
@@ -156,9 +164,13 @@ def pad_rows(packed: PackedBatch, n: int) -> PackedBatch:
   if extra < 0:
     raise ValueError(f"cannot pad {len(packed.tokens)} rows to {n}")
   pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
+  experts = packed.experts
+  if experts is not None:
+    experts = np.pad(experts, ((0, extra),) + ((0, 0),) * 3, constant_values=NO_EXPERT)
   return dataclasses.replace(packed, tokens=pad(packed.tokens),
                              positions=pad(packed.positions),
-                             segment_ids=pad(packed.segment_ids), targets=pad(packed.targets))
+                             segment_ids=pad(packed.segment_ids), targets=pad(packed.targets),
+                             experts=experts)
 
 
 def pad_trajectories(packed: PackedBatch, n: int) -> PackedBatch:
@@ -221,12 +233,16 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
                     f"completion ({longest} tokens)")
   index = np.zeros((len(trajectories), t_max), np.int32)
   mask = np.zeros((len(trajectories), t_max), np.float32)
+  experts = _experts_rows(trajectories, shape)
   for r, members in enumerate(rows):
     start = 0
     for seg, i in enumerate(members, start=1):
       seq = list(trajectories[i].prompt) + list(trajectories[i].completion)
       n, p = len(seq), len(trajectories[i].prompt)
       tokens[r, start:start + n] = seq
+      if experts is not None:
+        e = trajectories[i].experts[:n]
+        experts[r, start:start + len(e)] = e
       positions[r, start:start + n] = np.arange(n)
       segments[r, start:start + n] = seg
       targets[r, start:start + n - 1] = seq[1:]
@@ -235,5 +251,19 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
       mask[i, :c] = 1.0
       start += n
   packed = PackedBatch(tokens, positions, segments, targets, index, mask,
-                       head_index=np.zeros((0,), np.int32), head_slot=np.zeros_like(index))
+                       head_index=np.zeros((0,), np.int32), head_slot=np.zeros_like(index),
+                       experts=experts)
   return with_head_layout(packed)
+
+
+NO_EXPERT = -1  # models.moe.NO_EXPERT: a position with no recorded experts routes itself.
+
+
+def _experts_rows(trajectories: Sequence[Trajectory], shape) -> Optional[np.ndarray]:
+  """[R, S, L, k] int16 all NO_EXPERT when the trajectories carry experts, else None."""
+  with_experts = [t.experts for t in trajectories if t.experts is not None]
+  if not with_experts:
+    return None
+  if len(with_experts) != len(trajectories):
+    raise ValueError("packing: some trajectories carry rollout experts and some do not")
+  return np.full(shape + with_experts[0].shape[1:], NO_EXPERT, np.int16)

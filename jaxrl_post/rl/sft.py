@@ -100,7 +100,7 @@ class SftTrainer:
   def greedy_matches(self, params, inputs: PackedInputs, frozen=None):
     """[B] bool: the model's argmax is the reference at every completion position (so
     greedy decoding writes exactly that completion); False for padding completions."""
-    m, h, targets = head_states(self.model, _with_frozen(params, frozen), inputs)
+    m, h, targets, _ = head_states(self.model, _with_frozen(params, frozen), inputs)
     hit = (jnp.argmax(m.logits(h), axis=-1) == targets).astype(jnp.float32).reshape(-1)
     mask = inputs.completion_mask
     per_token = gather_completions(hit, inputs.head_slot, mask)  # [B, T]

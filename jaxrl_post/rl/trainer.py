@@ -46,11 +46,12 @@ from jaxrl_post.models import ModelConfig, abstract_model
 from jaxrl_post.models.transformer import logical_axes, params_of, split_adapters
 from jaxrl_post.rl import metrics as canaries
 from jaxrl_post.rl.advantages import AdvantageConfig, compute_advantages
-from jaxrl_post.rl.forward import PackedInputs, completion_logprobs
+from jaxrl_post.rl.forward import PackedInputs, completion_logprobs, completion_outputs
 from jaxrl_post.rl.losses import LossConfig, global_normaliser, policy_loss
 from jaxrl_post.rl.masked import masked_mean, sequence_lengths, to_tokens
 from jaxrl_post.rl.off_policy import OffPolicyConfig, off_policy_correction
 from jaxrl_post.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jaxrl_post.rl.routing import RoutingReplay, routing_metrics, routing_sums
 from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, head_bucket,
                                    head_tokens, pack, pad_rows, pad_trajectories,
                                    with_head_layout)
@@ -71,6 +72,8 @@ class TrainerConfig:
   value_coef: float = 0.5  # PPO critic loss weight (models with a value head).
   value_clip: float = 0.2
   gae: AdvantageConfig = AdvantageConfig("gae")  # PPO advantages (value head).
+  routing: RoutingReplay = RoutingReplay()  # MoE policies: route by the rollout's experts.
+  balance_coef: float = 0.0  # MoE policies: weight of the load-balancing loss term.
 
   def __post_init__(self):
     for name in ("minibatches", "micro_batches", "row_tokens"):
@@ -79,6 +82,8 @@ class TrainerConfig:
         raise UserError(f"trainer config: {name} must be a positive integer, got {value!r}")
     if self.temperature <= 0:
       raise UserError(f"trainer config: temperature must be > 0, got {self.temperature}")
+    if self.balance_coef < 0:
+      raise UserError(f"trainer config: balance_coef must be >= 0, got {self.balance_coef}")
 
 
 @struct.dataclass
@@ -160,6 +165,8 @@ class Trainer:
     self.model = abstract_model(model_cfg)
     self.lora = model_cfg.lora is not None
     self.value_head = model_cfg.value_head
+    self.moe = model_cfg.moe is not None
+    self.replay = self.moe and cfg.routing.replay  # Static: which routing the forwards take.
     self.optimizer = make_optimizer(cfg.optimizer)
     self.schedule = learning_rate_schedule(cfg.optimizer)
     self.param_shardings = None
@@ -264,7 +271,8 @@ class Trainer:
   # ---------------------------------------------------------------- logprobs
 
   def _completion_logprobs(self, params, inputs: PackedInputs):
-    return completion_logprobs(self.model, params, inputs, self.cfg.temperature)
+    return completion_logprobs(self.model, params, inputs, self.cfg.temperature,
+                               replay=self.replay)
 
   def logprobs(self, params: dict, inputs: PackedInputs):
     """(logprob [B, T], entropy [B, T]) of a packed batch under `params` (no gradient)."""
@@ -289,7 +297,7 @@ class Trainer:
   def _old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
     """Logprobs (and critic values) of one packed micro-batch, without gradients."""
     out = completion_logprobs(self.model, params, inputs, self.cfg.temperature,
-                              with_values=self.value_head)
+                              with_values=self.value_head, replay=self.replay)
     values = out[2] if self.value_head else jnp.zeros_like(out[0])
     return jax.lax.stop_gradient(OldPolicy(out[0], values))
 
@@ -314,12 +322,13 @@ class Trainer:
     return compute_advantages(terminal_rewards(mb.rewards, mask), mask, self.cfg.gae,
                               values=old_values)
 
-  def _micro_loss(self, trainable, frozen, mb: _Micro, ref_logprobs, normaliser):
+  def _micro_loss(self, trainable, frozen, mb: _Micro, ref_logprobs, normaliser,
+                  micro_batches: int = 1):
     params = merge_params(trainable, frozen)
-    out = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature,
-                              with_values=self.value_head)
-    logp, ent = out[:2]
-    values = out[2] if self.value_head else jnp.zeros_like(logp)
+    out = completion_outputs(self.model, params, mb.inputs, self.cfg.temperature,
+                             with_values=self.value_head, replay=self.replay)
+    logp, ent = out.logprobs, out.entropy
+    values = out.values if self.value_head else jnp.zeros_like(logp)
     # The first minibatch's parameters are the old policy: reuse this forward (exact
     # ratio 1, one forward pass saved) instead of a separately computed copy.
     old = mb.old if mb.old is not None else jax.lax.stop_gradient(OldPolicy(logp, values))
@@ -340,6 +349,14 @@ class Trainer:
                  "clip_low": m["clip_low"], "clip_high": m["clip_high"],
                  "is_weights": weights if weights is not None else jnp.ones_like(logp),
                  "advantages": advantages, "value_loss": v_loss, "old_logp": old.logprobs}
+    if self.moe:
+      per_token.update(routing_sums(out.routing))
+      # A per-micro-batch mean: scaled so the step's micro-batches add up to one mean.
+      loss = loss + self.cfg.balance_coef * per_token["moe_balance"] / micro_batches
+      if self.cfg.routing.measure and mb.inputs.experts is not None:
+        other = completion_logprobs(self.model, params, mb.inputs, self.cfg.temperature,
+                                    replay=not self.replay)[0]
+        per_token["logp_other"] = jax.lax.stop_gradient(other)
     return loss, per_token
 
   def _minibatch_update(self, state: TrainState, ref_params: Optional[dict],
@@ -370,9 +387,10 @@ class Trainer:
       grads, total = carry
       ref_logp = None
       if ref is not None:
-        ref_logp = jax.lax.stop_gradient(
-            completion_logprobs(self.model, ref, mb.inputs, self.cfg.temperature)[0])
-      (loss, per_token), g = grad_fn(state.params, state.frozen, mb, ref_logp, normaliser)
+        ref_logp = jax.lax.stop_gradient(completion_logprobs(
+            self.model, ref, mb.inputs, self.cfg.temperature, replay=self.replay)[0])
+      (loss, per_token), g = grad_fn(state.params, state.frozen, mb, ref_logp, normaliser,
+                                     mask.shape[0])
       if ref_logp is not None:
         per_token = per_token | {"ref_logp": ref_logp}
       return (jax.tree.map(jnp.add, grads, g), total + loss), per_token
@@ -412,6 +430,8 @@ class Trainer:
     if "ref_logp" in t:  # Only a loss with a KL term runs the reference forward.
       out["kl/reference"] = canaries.reference_kl(flat(t["logp"]), flat(t["ref_logp"]), mask)
     out["entropy"] = canaries.mean_entropy(flat(t["entropy"]), mask)
+    if self.moe:
+      out.update(routing_metrics(t, self.cfg.routing, flat(batch.behaviour_logprobs), mask))
     out.update(canaries.logprob_mismatch(flat(t["logp"]), flat(batch.behaviour_logprobs), mask))
     out["is/ess"] = canaries.effective_sample_size(flat(t["is_weights"]), mask)
     out.update(canaries.advantage_stats(flat(t["advantages"]), mask))

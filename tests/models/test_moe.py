@@ -51,10 +51,10 @@ def tiny_moe(seed=0, **changes) -> models.Transformer:
   return with_params(model, params)
 
 
-def forward(model, ids, replay=None, segment_ids=None):
+def forward(model, ids, replay=None, segment_ids=None, apply=True):
   ids = jnp.asarray(ids)
   pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-  return model.forward_routed(ids, pos, segment_ids, replay=replay)
+  return model.forward_routed(ids, pos, segment_ids, recorded=replay, replay=apply)
 
 
 # ------------------------------------------------------------------ the layer
@@ -101,11 +101,16 @@ def test_replaying_the_models_own_choice_changes_nothing_and_others_change_the_o
   own = jnp.moveaxis(routing.experts, 0, 2)  # [B, T, L, k]
   h_same, r_same = forward(model, ids, replay=own)
   np.testing.assert_allclose(h_same, h, atol=F32_TOL)
-  assert np.all(np.asarray(r_same.agree) == np.asarray(r_same.replayed))
+  assert np.all(np.asarray(r_same.agree) == np.asarray(r_same.recorded))
+  assert np.all(np.asarray(r_same.recorded) == 24)  # 2 x 12 tokens in each layer
   other = (own + 1) % 8
   h_other, r_other = forward(model, ids, replay=other)
   assert np.abs(np.asarray(h_other - h)).max() > 1e-2
-  assert np.all(np.asarray(r_other.agree) < np.asarray(r_other.replayed))
+  assert np.all(np.asarray(r_other.agree) < np.asarray(r_other.recorded))
+  # Recorded but not replayed: the model's own routing, compared with the record.
+  h_free, r_free = forward(model, ids, replay=other, apply=False)
+  np.testing.assert_allclose(h_free, h, atol=F32_TOL)
+  np.testing.assert_array_equal(r_free.agree, r_other.agree)
   # Unrecorded tokens (NO_EXPERT) route themselves.
   partial = own.at[:, 5:].set(moe.NO_EXPERT)
   np.testing.assert_allclose(forward(model, ids, replay=partial)[0], h, atol=F32_TOL)
