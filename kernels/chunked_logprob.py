@@ -18,6 +18,11 @@ competitive GEMM on both Triton and Mosaic to win only the epilogue fusion; the 
 saving, which is the point, comes from the blocking alone. Hence one implementation for
 every backend, with tunable blocks.
 
+Truncated sampling (top-k, top-p): a token drawn from the kept set has its probability
+under that set renormalised. `floor` gives each token's set as a threshold on z: columns
+with z < floor are left out of the softmax (the target is always kept), so the trainer's
+logprob is over the very distribution the sampler drew from.
+
 Gradients: with z = logits / temperature, p = softmax(z), E = sum_j p_j z_j,
   d logprob / dz_j = [j = target] - p_j
   d entropy / dz_j = p_j (E - z_j)
@@ -65,20 +70,24 @@ def _valid_columns(j, vb, vocab):  # -> [1, vb] bool
   return (j * vb + jnp.arange(vb) < vocab)[None, :]
 
 
-def _block_stats(h, targets, lm_head, temperature, vocab, vb):
+def _kept(z, j, vb, vocab, targets, floor):  # -> [tb, vb] bool: in this token's softmax
+  hit = j * vb + jnp.arange(vb)[None, :] == targets[:, None]
+  return _valid_columns(j, vb, vocab) & ((z >= floor[:, None]) | hit), hit
+
+
+def _block_stats(h, targets, floor, lm_head, temperature, vocab, vb):
   """Online softmax statistics of one token block: (lse, mean logit, target logit) [tb]."""
   tb = h.shape[0]
 
   def step(carry, j):
     m, s, u, zt = carry  # u = sum_j e_j (z_j - m): the expected logit relative to m
     z = _block_logits(h, _vocab_block(lm_head, j, vb), temperature)
-    valid = _valid_columns(j, vb, vocab)
+    valid, hit = _kept(z, j, vb, vocab, targets, floor)
     z = jnp.where(valid, z, MASK_VALUE)
     m_new = jnp.maximum(m, z.max(axis=-1))
     alpha = jnp.exp(m - m_new)
     e = jnp.where(valid, jnp.exp(z - m_new[:, None]), 0.0)
     u = alpha * (u + s * (m - m_new)) + (e * (z - m_new[:, None])).sum(axis=-1)
-    hit = j * vb + jnp.arange(vb)[None, :] == targets[:, None]
     zt = zt + jnp.where(hit, z, 0.0).sum(axis=-1)
     return (m_new, alpha * s + e.sum(axis=-1), u, zt), None
 
@@ -88,7 +97,7 @@ def _block_stats(h, targets, lm_head, temperature, vocab, vb):
   return m + jnp.log(s), m + u / s, zt
 
 
-def _padded(hidden, lm_head, targets, cfg):
+def _padded(hidden, lm_head, targets, floor, cfg):
   """Pad T and V to block multiples: zero rows are dropped, zero columns are masked."""
   t, vocab = hidden.shape[0], lm_head.shape[1]
   tb = min(cfg.token_block, t)
@@ -96,22 +105,24 @@ def _padded(hidden, lm_head, targets, cfg):
   t_pad, v_pad = -t % tb, -vocab % vb
   hidden = jnp.pad(hidden, ((0, t_pad), (0, 0))).reshape(-1, tb, hidden.shape[1])
   targets = jnp.pad(targets.astype(jnp.int32), (0, t_pad)).reshape(-1, tb)
-  return hidden, jnp.pad(lm_head, ((0, 0), (0, v_pad))), targets, vb
+  floor = jnp.pad(floor, (0, t_pad), constant_values=-jnp.inf).reshape(-1, tb)
+  return hidden, jnp.pad(lm_head, ((0, 0), (0, v_pad))), targets, floor, vb
 
 
-def _forward(hidden, lm_head, targets, temperature, cfg):
+def _forward(hidden, lm_head, targets, floor, temperature, cfg):
   """(logprob, entropy, lse, mean logit), each [T] float32."""
   t, vocab = hidden.shape[0], lm_head.shape[1]
-  h_blocks, w, tgt_blocks, vb = _padded(hidden, lm_head, targets, cfg)
-  stats = lambda a: _block_stats(a[0], a[1], w, temperature, vocab, vb)
-  lse, mean_z, zt = (x.reshape(-1)[:t] for x in jax.lax.map(stats, (h_blocks, tgt_blocks)))
+  h_blocks, w, tgt_blocks, floors, vb = _padded(hidden, lm_head, targets, floor, cfg)
+  stats = lambda a: _block_stats(a[0], a[1], a[2], w, temperature, vocab, vb)
+  lse, mean_z, zt = (x.reshape(-1)[:t]
+                     for x in jax.lax.map(stats, (h_blocks, tgt_blocks, floors)))
   return zt - lse, lse - mean_z, lse, mean_z
 
 
-def _backward(hidden, lm_head, targets, temperature, lse, mean_z, g_lp, g_ent, cfg):
+def _backward(hidden, lm_head, targets, floor, temperature, lse, mean_z, g_lp, g_ent, cfg):
   """Recompute logits block by block; returns f32 (d hidden, d lm_head, d temperature)."""
   t, vocab = hidden.shape[0], lm_head.shape[1]
-  h_blocks, w, tgt_blocks, vb = _padded(hidden, lm_head, targets, cfg)
+  h_blocks, w, tgt_blocks, floors, vb = _padded(hidden, lm_head, targets, floor, cfg)
   nt, tb, d = h_blocks.shape
   rows = lambda x: jnp.pad(x, (0, nt * tb - t)).reshape(nt, tb)  # padded rows: zero grads
   lse, mean_z, g_lp, g_ent = rows(lse), rows(mean_z), rows(g_lp), rows(g_ent)
@@ -120,9 +131,8 @@ def _backward(hidden, lm_head, targets, temperature, lse, mean_z, g_lp, g_ent, c
     dh, dw_blk, dtemp = carry
     h = h_blocks[i]
     z = _block_logits(h, w_blk, temperature)
-    valid = _valid_columns(j, vb, vocab)
+    valid, hit = _kept(z, j, vb, vocab, tgt_blocks[i], floors[i])
     p = jnp.where(valid, jnp.exp(z - lse[i][:, None]), 0.0)
-    hit = j * vb + jnp.arange(vb)[None, :] == tgt_blocks[i][:, None]
     dz = (jnp.where(hit, g_lp[i][:, None], 0.0)
           - p * (g_lp[i][:, None] + g_ent[i][:, None] * (z - mean_z[i][:, None])))
     dtemp = dtemp - jnp.sum(jnp.where(valid, dz * z, 0.0)) / temperature
@@ -146,30 +156,30 @@ def _backward(hidden, lm_head, targets, temperature, lse, mean_z, g_lp, g_ent, c
   return dh.reshape(-1, d)[:t], dw[:, :vocab], dtemp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _logprob_entropy(hidden, lm_head, targets, temperature, cfg):
-  lp, ent, _, _ = _forward(hidden, lm_head, targets, temperature, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _logprob_entropy(hidden, lm_head, targets, floor, temperature, cfg):
+  lp, ent, _, _ = _forward(hidden, lm_head, targets, floor, temperature, cfg)
   return lp, ent
 
 
-def _logprob_entropy_fwd(hidden, lm_head, targets, temperature, cfg):
-  lp, ent, lse, mean_z = _forward(hidden, lm_head, targets, temperature, cfg)
-  return (lp, ent), (hidden, lm_head, targets, temperature, lse, mean_z)
+def _logprob_entropy_fwd(hidden, lm_head, targets, floor, temperature, cfg):
+  lp, ent, lse, mean_z = _forward(hidden, lm_head, targets, floor, temperature, cfg)
+  return (lp, ent), (hidden, lm_head, targets, floor, temperature, lse, mean_z)
 
 
 def _logprob_entropy_bwd(cfg, res, cotangents):
-  hidden, lm_head, targets, temperature, lse, mean_z = res
+  hidden, lm_head, targets, floor, temperature, lse, mean_z = res
   g_lp, g_ent = (g.astype(jnp.float32) for g in cotangents)
-  dh, dw, dtemp = _backward(hidden, lm_head, targets, temperature, lse, mean_z, g_lp,
+  dh, dw, dtemp = _backward(hidden, lm_head, targets, floor, temperature, lse, mean_z, g_lp,
                             g_ent, cfg)
-  return dh.astype(hidden.dtype), dw.astype(lm_head.dtype), None, dtemp
+  return dh.astype(hidden.dtype), dw.astype(lm_head.dtype), None, None, dtemp
 
 
 _logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def chunked_logprob(hidden, lm_head, targets, temperature=1.0, *,
+def chunked_logprob(hidden, lm_head, targets, temperature=1.0, floor=None, *,
                     config=ChunkedLogprobConfig()):
   """Per-token log p(target) and entropy of softmax(hidden @ lm_head / temperature).
 
@@ -178,6 +188,8 @@ def chunked_logprob(hidden, lm_head, targets, temperature=1.0, *,
     lm_head: [d, V] output projection.
     targets: [T] int token ids in [0, V).
     temperature: scalar sampling temperature (differentiable, usually a constant).
+    floor: [T] float32 or None: each token's softmax keeps only the columns whose
+      logit / temperature is >= its floor, and its target (-inf: the whole vocabulary).
     config: static block sizes.
 
   Returns:
@@ -185,17 +197,25 @@ def chunked_logprob(hidden, lm_head, targets, temperature=1.0, *,
     temperature without materialising [T, V].
   """
   temperature = jnp.asarray(temperature, jnp.float32)
-  return _logprob_entropy(hidden, lm_head, targets, temperature, config)
+  if floor is None:
+    floor = jnp.full(targets.shape, -jnp.inf, jnp.float32)
+  return _logprob_entropy(hidden, lm_head, targets, floor.astype(jnp.float32), temperature,
+                          config)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def chunked_logprob_reference(hidden, lm_head, targets, temperature=1.0):
+def chunked_logprob_reference(hidden, lm_head, targets, temperature=1.0, floor=None):
   """Dense float32-accumulated reference: materialises the [T, V] logits."""
   logits = jnp.dot(hidden, lm_head, precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32) / temperature
+  kept = jnp.ones(logits.shape, bool)
+  if floor is not None:
+    hit = jnp.arange(logits.shape[-1])[None, :] == targets[:, None]
+    kept = (logits >= floor[:, None]) | hit
+    logits = jnp.where(kept, logits, MASK_VALUE)
   logp = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
   logprob = jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
-  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  entropy = -jnp.sum(jnp.where(kept, jnp.exp(logp) * logp, 0.0), axis=-1)
   return logprob, entropy

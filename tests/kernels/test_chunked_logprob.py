@@ -96,3 +96,27 @@ def test_gpu_values_and_grads():
   assert jax.default_backend() == "gpu"
   check(F32, BLOCKS)
   check(BF16, kernels.ChunkedLogprobConfig())
+
+
+def test_floors_keep_only_the_sampled_set_in_values_and_grads():
+  """Per-token floors (top-k / top-p kept sets): the softmax is over the columns at or
+  above the floor and the target, as the dense masked reference computes it."""
+  hidden, lm_head, targets, cot = inputs(F32, seed=3)
+  temperature = 0.8
+  z = np.asarray(hidden @ lm_head) / temperature
+  ranked = -np.sort(-z, axis=-1)
+  keep = np.random.default_rng(3).integers(1, 40, size=T)
+  floor = ranked[np.arange(T), keep - 1] - 1e-3  # The keep[i] largest columns.
+  floor[::5] = -np.inf  # Some tokens untruncated.
+  floor = jnp.asarray(floor, F32)
+  fn = lambda h, w, t, temp: kernels.chunked_logprob(h, w, t, temp, floor, config=BLOCKS)
+  ref = lambda h, w, t, temp: kernels.chunked_logprob_reference(h, w, t, temp, floor)
+  for got, want in zip(fn(hidden, lm_head, targets, temperature),
+                       ref(hidden, lm_head, targets, temperature)):
+    assert_close(got, want, F32)
+  grads = [jax.grad(functools.partial(loss, f), argnums=(0, 1, 2))(
+      hidden, lm_head, temperature, targets, cot) for f in (fn, ref)]
+  for got, want in zip(*grads):
+    assert_close(got, want, F32)
+  # A target below its floor still counts (it was sampled): its logprob stays finite.
+  assert np.all(np.isfinite(np.asarray(fn(hidden, lm_head, targets, temperature)[0])))
