@@ -27,7 +27,7 @@ import gin
 from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
-from jaxrl_post.models import LoraConfig
+from jaxrl_post.models import LoraConfig, MoeConfig
 from jaxrl_post.rewards import (ArithmeticTask, ComposedTask, CountdownTask, FormatReward,
                                 HumanEvalTask, JsonlTask, LengthPenalty, default_workers)
 from jaxrl_post.pipeline.dynamic import DynamicSamplingSpec
@@ -36,6 +36,7 @@ from jaxrl_post.rl.dapo import OverlongConfig
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.off_policy import OffPolicyConfig
 from jaxrl_post.rl.optim import OptimizerConfig
+from jaxrl_post.rl.routing import RoutingReplay
 from jaxrl_post.rl.sft import SftConfig
 from jaxrl_post.rl.trainer import TrainerConfig
 from jaxrl_post.rollout.engine import EngineConfig
@@ -55,6 +56,8 @@ class ModelSpec:
     init_seed: seed of random weights and LoRA adapters.
     overrides: ModelConfig fields to change, e.g. {"compute_dtype": "float32"}.
     lora: train LoRA adapters instead of the full model.
+    moe: experts in place of a preset's dense MLP (random weights; a checkpoint's own
+      experts come from its config.json).
   """
 
   source: str = "tiny"
@@ -62,6 +65,7 @@ class ModelSpec:
   init_seed: int = 0
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   lora: Optional[LoraConfig] = None
+  moe: Optional[MoeConfig] = None
 
   def __post_init__(self):
     if self.tokenizer not in ("", "chars"):
@@ -255,7 +259,7 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
              CheckpointConfig, LoraConfig, HumanEvalTask, ComposedTask, FormatReward,
-             LengthPenalty):
+             LengthPenalty, MoeConfig, RoutingReplay):
   _register(_cls)
 for _cls in (DynamicSamplingSpec, OverlongConfig):
   _register(_cls)

@@ -16,6 +16,11 @@ def load_policy(spec: ModelSpec) -> tuple[ModelConfig, dict, Tokenizer]:
   overrides = dict(spec.overrides)
   if spec.lora is not None:
     overrides["lora"] = spec.lora
+  if spec.moe is not None:
+    if spec.source not in PRESETS:
+      raise UserError(f"ModelSpec.moe: {spec.source} brings its own architecture; MoE "
+                      "layers are added to presets only (random weights)")
+    overrides["moe"] = spec.moe
   bad = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
   if bad:
     raise UserError(f"ModelSpec.overrides: unknown ModelConfig field(s) {sorted(bad)}")

@@ -96,7 +96,7 @@ def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], list[tuple[float
   trajs, behaviour = [], []
   for g in groups:
     for c in g.completions:
-      trajs.append(Trajectory(g.prompt, c.tokens, c.experts))
+      trajs.append(Trajectory(g.prompt, c.tokens, c.experts, c.floors))
       behaviour.append(c.logprobs)
   return trajs, behaviour
 

@@ -222,11 +222,12 @@ def abstract_train_state(trainer: Trainer, mesh: Mesh) -> TrainState:
 
 def abstract_step_batch(mesh: Mesh, micro_batches: int, rows: int, row_tokens: int,
                         sequences: int, completion_len: int, head_positions: int,
-                        rules=TRAINING_RULES) -> StepBatch:
+                        rules=TRAINING_RULES, experts=None) -> StepBatch:
   """A StepBatch of [M, R, S] packed rows, [M, B, T] completions and [M, N] LM-head
   positions, sharded over the rules' "batch" axes (data parallelism is a sharding). R, B
   and N should be multiples of those axes' size, as the trainer packs them; otherwise the
-  rules fall back to fewer axes and the plan shows the imbalance."""
+  rules fall back to fewer axes and the plan shows the imbalance. experts (L, k) adds the
+  rollout's recorded experts [M, R, S, L, k] int16 that a MoE step replays."""
   m = micro_batches
 
   def array(shape, dtype):
@@ -239,7 +240,9 @@ def abstract_step_batch(mesh: Mesh, micro_batches: int, rows: int, row_tokens: i
                         segment_ids=row(jnp.int32), targets=row(jnp.int32),
                         completion_mask=comp(jnp.float32),
                         head_index=array((m, head_positions), jnp.int32),
-                        head_slot=comp(jnp.int32))
+                        head_slot=comp(jnp.int32),
+                        experts=None if experts is None else array(
+                            (m, rows, row_tokens, *experts), jnp.int16))
   return StepBatch(inputs=inputs, behaviour_logprobs=comp(jnp.float32),
                    sequence=array((m, sequences), jnp.int32))
 
@@ -329,8 +332,11 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
   state = abstract_train_state(trainer, mesh)
   sequences = sequences or rows
   head = head_positions_bound(sequences, completion_len, trainer.batch_shards)
+  experts = None if model_cfg.moe is None else (model_cfg.num_layers,
+                                                 model_cfg.moe.experts_per_token)
   batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences,
-                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES))
+                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES),
+                              experts)
   reference = abstract_reference(trainer, mesh, reference_dtype)
   compiled, allocations = compile_with_allocations(
       lower_train_step(trainer, state, batch, reference), largest, mesh_platform(mesh))

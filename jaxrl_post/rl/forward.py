@@ -42,6 +42,7 @@ class PackedInputs:
   head_index: jax.Array  # [N] flat positions the LM head runs at, grouped by row shard
   head_slot: jax.Array  # [B, T] entry of head_index per completion token
   experts: Optional[jax.Array] = None  # [R, S, L, k] the rollout's experts (MoE), or None
+  head_floor: Optional[jax.Array] = None  # [N] kept-set floors (top-k / top-p), or None
 
   @classmethod
   def from_packed(cls, packed) -> "PackedInputs":
@@ -85,7 +86,10 @@ def completion_outputs(model: Transformer, params: dict, inputs: PackedInputs,
   """
   m, h, targets, routing = head_states(model, params, inputs, replay)
   lm_head = m.lm_head_weight().astype(h.dtype)
-  logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking)
+  floor = None
+  if inputs.head_floor is not None:  # [N] -> [G, n], as the head positions are grouped.
+    floor = constrain(inputs.head_floor.reshape(targets.shape), ("batch", None))
+  logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking, floor)
 
   def gather(x):  # [G, n] (all-gathered on a mesh: small) -> [B, T]
     out = gather_completions(x, inputs.head_slot, inputs.completion_mask)
@@ -133,12 +137,18 @@ def head_inputs(hidden, targets, head_index):
 
 
 def head_logprobs(h, lm_head, targets, temperature=1.0,
-                  chunking: ChunkedLogprobConfig = ChunkedLogprobConfig()):
+                  chunking: ChunkedLogprobConfig = ChunkedLogprobConfig(), floor=None):
   """(logprob, entropy), each [G * n] float32, of hidden states [G, n, D].
 
   Each group runs its own chunked pass (vmapped over G), so each device works on its own
-  tokens and only the lm_head gradient is reduced across devices.
+  tokens and only the lm_head gradient is reduced across devices. floor [G, n]: each
+  token's softmax keeps only the sampler's kept set (see kernels.chunked_logprob).
   """
-  run = lambda h1, t1: chunked_logprob(h1, lm_head, t1, temperature, config=chunking)
-  logp, ent = jax.vmap(run)(h, targets) if h.shape[0] > 1 else run(h[0], targets[0])
+  if floor is None:
+    floor = jnp.full(targets.shape, -jnp.inf, jnp.float32)
+  run = lambda h1, t1, f1: chunked_logprob(h1, lm_head, t1, temperature, f1, config=chunking)
+  if h.shape[0] > 1:
+    logp, ent = jax.vmap(run)(h, targets, floor)
+  else:
+    logp, ent = run(h[0], targets[0], floor[0])
   return logp.reshape(-1), ent.reshape(-1)

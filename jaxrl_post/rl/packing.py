@@ -33,11 +33,13 @@ from jaxrl_post.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
   """A prompt and its completion; for a MoE policy also the experts the rollout chose for
-  each token it fed ([P + N - 1, L, k], see rollout.scheduler.Completion), for replay."""
+  each token it fed ([P + N - 1, L, k], see rollout.scheduler.Completion), for replay;
+  under top-k / top-p each completion token's kept-set floor ([N], sampling.truncate)."""
 
   prompt: Sequence[int]
   completion: Sequence[int]
   experts: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
+  floors: Optional[Sequence[float]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,9 @@ class PackedBatch:
     experts: [R, S, L, k] int16 the rollout's experts for each position's token
       (NO_EXPERT where none: padding, a completion's last token), when the trajectories
       carry them; else None.
+    floors: [B, T] float32 each completion token's kept-set floor (-inf: the whole
+      vocabulary), when any trajectory carries floors; else None. head_floor is the same
+      per head_index entry.
   """
 
   tokens: np.ndarray
@@ -71,6 +76,8 @@ class PackedBatch:
   head_index: np.ndarray
   head_slot: np.ndarray
   experts: Optional[np.ndarray] = None
+  floors: Optional[np.ndarray] = None
+  head_floor: Optional[np.ndarray] = None
 
   def gather(self, per_token):  # [R, S] (or [R * S]) -> [B, T]
     """Per-token values of the packed rows in the padded completion layout."""
@@ -151,7 +158,12 @@ def with_head_layout(packed: PackedBatch, shards: int = 1,
   head_index[slot] = flat
   head_slot = np.zeros(packed.completion_mask.shape, np.int32)
   head_slot[valid] = slot
-  return dataclasses.replace(packed, head_index=head_index, head_slot=head_slot)
+  head_floor = None
+  if packed.floors is not None:
+    head_floor = np.full(head_index.shape, -np.inf, np.float32)
+    head_floor[slot] = packed.floors[valid]
+  return dataclasses.replace(packed, head_index=head_index, head_slot=head_slot,
+                             head_floor=head_floor)
 
 
 def pad_rows(packed: PackedBatch, n: int) -> PackedBatch:
@@ -183,9 +195,11 @@ def pad_trajectories(packed: PackedBatch, n: int) -> PackedBatch:
   if extra < 0:
     raise ValueError(f"cannot pad {len(packed.completion_mask)} trajectories to {n}")
   pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
+  floors = None if packed.floors is None else np.pad(
+      packed.floors, ((0, extra), (0, 0)), constant_values=-np.inf)
   return dataclasses.replace(packed, completion_index=pad(packed.completion_index),
                              completion_mask=pad(packed.completion_mask),
-                             head_slot=pad(packed.head_slot))
+                             head_slot=pad(packed.head_slot), floors=floors)
 
 
 def _first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
@@ -234,6 +248,9 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
   index = np.zeros((len(trajectories), t_max), np.int32)
   mask = np.zeros((len(trajectories), t_max), np.float32)
   experts = _experts_rows(trajectories, shape)
+  floors = None
+  if any(t.floors is not None for t in trajectories):
+    floors = np.full((len(trajectories), t_max), -np.inf, np.float32)
   for r, members in enumerate(rows):
     start = 0
     for seg, i in enumerate(members, start=1):
@@ -249,10 +266,12 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
       c = n - p  # Completion token t is predicted at position p - 1 + t.
       index[i, :c] = r * row_tokens + start + p - 1 + np.arange(c)
       mask[i, :c] = 1.0
+      if floors is not None and trajectories[i].floors is not None:
+        floors[i, :c] = trajectories[i].floors
       start += n
   packed = PackedBatch(tokens, positions, segments, targets, index, mask,
                        head_index=np.zeros((0,), np.int32), head_slot=np.zeros_like(index),
-                       experts=experts)
+                       experts=experts, floors=floors)
   return with_head_layout(packed)
 
 

@@ -47,7 +47,7 @@ from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSe
                                       PoolConfig, cdiv, copy_pool_pages, pow2_at_least,
                                       resolve_num_pages)
 from jaxrl_post.rollout.prefix_cache import PrefixCache
-from jaxrl_post.rollout.sampling import SamplingParams, sample, token_keys
+from jaxrl_post.rollout.sampling import SamplingParams, sample_with_floors, token_keys
 from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
 from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, tree_shardings
 
@@ -212,13 +212,14 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   Returns:
     (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
     (-1 where a slot produced none), logprobs, active [B], the experts of each step's fed
-    token [B, steps, L, k] int16 (MoE models; None otherwise)); all but the first two
-    replicated, so every process reads them whole.
+    token [B, steps, L, k] int16 (MoE models; None otherwise), each token's kept-set floor
+    [B, steps] (with `truncation`; None otherwise)); all but the first two replicated, so
+    every process reads them whole.
   """
   full = state.page_table
   table = _loop_table(full, shared, width, pool.k.shape[3])
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    pool, state, out_tokens, out_logprobs, out_experts = _decode_steps(
+    pool, state, out_tokens, out_logprobs, out_experts, out_floors = _decode_steps(
         params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets,
         truncation)
   state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
@@ -226,7 +227,7 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
   whole = lambda tree: jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), tree)
   return (pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active),
-          whole(out_experts))
+          whole(out_experts), whole(out_floors))
 
 
 def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size: int):
@@ -260,6 +261,7 @@ class _Launched(NamedTuple):
   logprobs: jax.Array
   active: jax.Array
   experts: jax.Array | None  # [B, steps, L, k] (MoE models)
+  floors: jax.Array | None  # [B, steps] (calls that may truncate)
   occupant: np.ndarray  # [B] each slot's occupant number at launch
   version: int
 
@@ -274,40 +276,44 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets, trun
   if cfg.moe is not None:  # int16: routing replay's record, kept small
     shape = (b, steps, cfg.num_layers, cfg.moe.experts_per_token)
     out_experts = jnp.full(shape, NO_EXPERT, jnp.int16)
+  out_floors = jnp.full((b, steps), -jnp.inf, jnp.float32) if truncation else None
 
   def cond(carry):
-    i, _, st, _, _, _ = carry
+    i, _, st = carry[:3]
     return (i < steps) & jnp.any(st.active)
 
-  def one_step(pool, st):  # -> (pool, (tokens, logprobs, experts)) for the rows of st
+  def one_step(pool, st):  # -> (pool, (tokens, logprobs, experts, floors)) for st's rows
     logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
                                                 st.page_table, st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
-    tok, lp = sample(logits, keys, st.temperature, st.top_k, st.top_p, truncation)
-    return pool, (tok, lp, experts)
+    tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
+                                        truncation)
+    return pool, (tok, lp, experts, floor)
 
   def body(carry):
-    i, pool, st, out_tokens, out_logprobs, out_experts = carry
+    i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
     if shared is None and len(sizes) > 1:
-      pool, (tok, lp, experts) = compact.live_rows_step(one_step, pool, st, st.active,
-                                                        layout.data_shards, sizes)
+      pool, (tok, lp, experts, floor) = compact.live_rows_step(one_step, pool, st, st.active,
+                                                               layout.data_shards, sizes)
     else:  # Cascade blocks keep their slots: a block shares its prompt's pages.
-      pool, (tok, lp, experts) = one_step(pool, st)
+      pool, (tok, lp, experts, floor) = one_step(pool, st)
     on = st.active
     out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
     out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
     if out_experts is not None:  # The fed token's experts (it is the previous output).
       fed = jnp.where(on[:, None, None], experts, NO_EXPERT).astype(jnp.int16)
       out_experts = out_experts.at[:, i].set(fed)
+    if out_floors is not None:
+      out_floors = out_floors.at[:, i].set(jnp.where(on, floor, -jnp.inf))
     n = st.num_generated + on
     stop = jnp.any(tok[:, None] == st.stop_ids, axis=1)
     st = st._replace(tokens=jnp.where(on, tok, st.tokens), lengths=st.lengths + on,
                      num_generated=n, active=on & ~stop & (n < st.max_tokens))
-    return i + 1, pool, st, out_tokens, out_logprobs, out_experts
+    return i + 1, pool, st, out_tokens, out_logprobs, out_experts, out_floors
 
-  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs, out_experts)
-  _, pool, state, out_tokens, out_logprobs, out_experts = jax.lax.while_loop(cond, body, carry)
-  return pool, state, out_tokens, out_logprobs, out_experts
+  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs, out_experts, out_floors)
+  _, pool, state, *outputs = jax.lax.while_loop(cond, body, carry)
+  return (pool, state, *outputs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
@@ -328,7 +334,7 @@ def _sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
                   layout: RolloutLayout):  # [R, V], [S] x6
   """Each sample's first token (token index 0) from the last logits of its prefill row."""
   keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
-  out = sample(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p)
+  out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p)
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
 
 
@@ -399,7 +405,8 @@ class Prefix:
     private_pages: pages one sample may need beyond the shared full prompt pages.
     shard: the data shard whose pages hold the prompt; its samples decode in its slots.
     prefilled: prompt tokens written so far.
-    first_tokens / first_logprobs / first_version: each sample's first token, once prefilled.
+    first_tokens / first_logprobs / first_version / first_floors: each sample's first
+      token, once prefilled (floors: its kept set under top-k / top-p, see sampling).
     next_sample: samples handed out so far (inserted or finished at their first token).
     experts: MoE models: [P, L, k] int16 each prompt token's experts, filled as the prompt
       is prefilled (tokens served from the prefix cache take the cache's record).
@@ -416,6 +423,7 @@ class Prefix:
   first_tokens: np.ndarray | None = None
   first_logprobs: np.ndarray | None = None
   first_version: int | None = None
+  first_floors: np.ndarray | None = None
   next_sample: int = 0
   experts: np.ndarray | None = None
 
@@ -444,6 +452,8 @@ class ResultTokens:
     version: the weight version that produced these tokens.
     experts: MoE models: [B, N, L, k] int16, at step n the experts of the token fed then
       (the slot's previous token); None for a dense model.
+    floors: [B, N] float32 each token's kept-set floor (sampling.truncate), when the call
+      could truncate; else None.
   """
 
   tokens: np.ndarray
@@ -451,6 +461,7 @@ class ResultTokens:
   finished: np.ndarray
   version: int
   experts: np.ndarray | None = None
+  floors: np.ndarray | None = None
 
 
 class Engine:
@@ -720,10 +731,11 @@ class Engine:
         a[at:at + k] = value
       at += k
     operands = self.layout.put_replicated(operands)
-    tok, lp = jax.device_get(_sample_first(logits, *operands, layout=self.layout))
+    tok, lp, floor = jax.device_get(_sample_first(logits, *operands, layout=self.layout))
     at = 0
     for prefix, k in zip(prefixes, sizes):
       prefix.first_tokens, prefix.first_logprobs = tok[at:at + k], lp[at:at + k]
+      prefix.first_floors = floor[at:at + k]
       prefix.first_version = self.version
       at += k
 
@@ -863,14 +875,14 @@ class Engine:
       width = self._table_width(max(int((needed - start).max()), 1))
     else:
       shared, width = None, self._table_width(max(int(needed.max()), 1))
-    self.pool, self._device_slots, tokens, logprobs, active, experts = _decode_loop(
+    self.pool, self._device_slots, tokens, logprobs, active, experts, floors = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets,
         truncation=self._truncating())
-    for x in jax.tree.leaves((tokens, logprobs, active, experts)):
+    for x in jax.tree.leaves((tokens, logprobs, active, experts, floors)):
       x.copy_to_host_async()  # Fetched while later calls run.
-    self._pending.append(_Launched(tokens, logprobs, active, experts, self._occupant.copy(),
-                                   self.version))
+    self._pending.append(_Launched(tokens, logprobs, active, experts, floors,
+                                   self._occupant.copy(), self.version))
 
   def _truncating(self) -> bool:
     """Whether any slot samples with top-k or top-p (an emptied slot keeps its last
@@ -883,8 +895,8 @@ class Engine:
     date. Rows of slots emptied or refilled since that launch come back as producing
     nothing (the call did not decode their current occupant)."""
     call = self._pending.popleft()
-    tokens, logprobs, active, experts = jax.device_get((call.tokens, call.logprobs,
-                                                        call.active, call.experts))
+    tokens, logprobs, active, experts, floors = jax.device_get(
+        (call.tokens, call.logprobs, call.active, call.experts, call.floors))
     same = call.occupant == self._occupant  # [B] the slot holds what the call decoded
     tokens = np.where(same[:, None], tokens, -1)
     logprobs = np.where(same[:, None], logprobs, 0.0).astype(np.float32)
@@ -896,7 +908,8 @@ class Engine:
     s.num_generated[:] += produced
     was_active = s.active & same
     s.active[:] = np.where(same, active, s.active)
-    return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version, experts)
+    return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version, experts,
+                        floors)
 
   def _grow_pages(self, steps: int) -> np.ndarray:
     """Pages for each active slot's next `steps` tokens (taken from its reservation), and a

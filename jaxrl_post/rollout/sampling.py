@@ -8,6 +8,11 @@ argmax (there is no distribution to report; this matches the dense reference dec
 Randomness is a function of the request only: the key of token t of sample i of a request
 with seed s is fold_in(fold_in(key(s), i), t). A request's tokens therefore do not depend on
 which slot it sits in or what else is in the batch.
+
+Each truncated draw also reports its kept set as a floor on the scaled logits (halfway
+between the smallest kept one and the largest dropped one), so the trainer can take the
+token's logprob over the same renormalised set (kernels.chunked_logprob's `floor`) and
+the on-policy importance ratio is exactly 1 under top-k and top-p too.
 """
 
 from __future__ import annotations
@@ -62,10 +67,13 @@ def token_keys(seeds, sample_ids, token_index):  # [B] x3 int -> [B] keys
   return jax.vmap(one)(seeds, sample_ids, token_index)
 
 
-def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V]
+def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V], [B]
   """Top-k then top-p: logits outside the kept set become -inf.
 
   Top-p applies to the top-k distribution (renormalised). Ties at a cut-off are all kept.
+  Also returns each row's floor: a threshold between the kept logits and the dropped ones
+  (-inf when nothing is dropped), away from both, so a recomputation of the logits that
+  differs in the last bits still selects the same set.
   """
   v = scaled.shape[-1]
   desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
@@ -76,7 +84,9 @@ def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V]
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   n_keep = jnp.sum((mass_before < top_p[:, None]) & (ranks < k[:, None]), axis=-1)  # [B] >= 1
   cutoff = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)  # [B, 1]
-  return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+  dropped = jnp.max(jnp.where(scaled < cutoff, scaled, -jnp.inf), axis=-1)  # [B]
+  floor = jnp.where(jnp.isfinite(dropped), 0.5 * (cutoff[:, 0] + dropped), -jnp.inf)
+  return jnp.where(scaled >= cutoff, scaled, -jnp.inf), floor
 
 
 def first_argmax(x, best=None):  # [B, V](, [B, 1] its max) -> [B] int32
@@ -153,6 +163,12 @@ def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True):
   Returns:
     (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
   """
+  return sample_with_floors(logits, keys, temperature, top_k, top_p, truncation)[:2]
+
+
+def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool = True):
+  """`sample`, and each row's kept-set floor [B] float32 on logits / temperature
+  (-inf where the row kept the whole vocabulary: no truncation, or greedy)."""
   # A batch of greedy rows only (evaluation, greedy generation) skips the scaling,
   # truncation and draw passes over [B, V], a large part of a decode step on a CPU.
   mixed = functools.partial(_mixed, truncation=truncation)
@@ -171,16 +187,17 @@ def _greedy(logits, keys, temperature, top_k, top_p):
   # with no gather of the chosen logits (on a TPU, a relayout of the whole row).
   best = jnp.max(logits, axis=-1, keepdims=True)
   total = jnp.sum(jnp.exp(logits - best), axis=-1)
-  return first_argmax(logits, best), -jnp.log(total)
+  return first_argmax(logits, best), -jnp.log(total), jnp.full(total.shape, -jnp.inf)
 
 
 def _mixed(logits, keys, temperature, top_k, top_p, truncation=True):
   greedy = temperature <= 0.0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  cut = scaled
+  cut, floor = scaled, jnp.full(greedy.shape, -jnp.inf)
   if truncation:  # The sort behind it costs more than the rest: skip it when no row asks.
     needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
-    cut = jax.lax.cond(needs_cut, truncate, lambda s, k, p: s, scaled, top_k, top_p)
+    cut, floor = jax.lax.cond(needs_cut, truncate, lambda s, k, p: (s, floor), scaled,
+                              top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
   tokens = jnp.where(greedy, first_argmax(logits), inverse_cdf_draw(keys, scaled))
-  return tokens, _logprob(scaled, tokens)
+  return tokens, _logprob(scaled, tokens), jnp.where(greedy, -jnp.inf, floor)

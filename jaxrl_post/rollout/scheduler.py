@@ -105,6 +105,8 @@ class Completion:
     experts: MoE models: [P + N - 1, L, k] int16, the experts each layer chose for every
       token the model was fed -- the P prompt tokens, then every completion token but the
       last -- which routing replay hands to the trainer; None for a dense model.
+    floors: with top-k or top-p, each token's kept set as a floor on logits / temperature
+      (sampling.truncate), so the trainer takes its logprob over the same set; else None.
   """
 
   tokens: tuple[int, ...]
@@ -112,6 +114,7 @@ class Completion:
   finish_reason: str
   versions: tuple[int, ...]
   experts: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
+  floors: Optional[tuple[float, ...]] = None
 
   @property
   def weight_version(self) -> int:
@@ -137,12 +140,14 @@ class _Running:
   logprobs: list
   versions: list
   experts: Optional[list] = None  # [n, L, k] arrays: the prompt's, then each call's
+  floors: Optional[list] = None  # per token, when the request truncates
 
   def completion(self) -> Completion:
     reason = "stop" if self.tokens[-1] in self.stop_ids else "length"
     experts = None if self.experts is None else np.concatenate(self.experts)
+    floors = None if self.floors is None else tuple(self.floors)
     return Completion(tuple(self.tokens), tuple(self.logprobs), reason, tuple(self.versions),
-                      experts)
+                      experts, floors)
 
 
 class Scheduler:
@@ -334,10 +339,13 @@ class Scheduler:
     return []
 
   def _first_only(self, g: _Group, prefix, j: int) -> _Running:
-    return _Running(g.rid, g.sample_ids[j], frozenset(g.sampling.stop_ids),
+    sp = g.sampling
+    truncates = sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+    return _Running(g.rid, g.sample_ids[j], frozenset(sp.stop_ids),
                     [int(prefix.first_tokens[j])], [float(prefix.first_logprobs[j])],
                     [prefix.first_version],
-                    None if prefix.experts is None else [prefix.experts])
+                    None if prefix.experts is None else [prefix.experts],
+                    [float(prefix.first_floors[j])] if truncates else None)
 
   def _bulk_insert(self, g: _Group, prefix, slots: list[int]) -> None:
     if not slots:
@@ -365,6 +373,8 @@ class Scheduler:
       run.versions.extend([out.version] * int(produced.sum()))
       if run.experts is not None:  # Step n's record is the token fed then: the one before.
         run.experts.append(out.experts[slot][produced])
+      if run.floors is not None:
+        run.floors.extend(out.floors[slot][produced].tolist())
       if out.finished[slot]:
         finished.append((run.rid, run.sample, run.completion()))
         self.engine.free_resource(slot)
