@@ -114,3 +114,24 @@ def test_a_task_left_at_its_default_is_built(tmp_path):
                       "ModelSpec.tokenizer = 'chars'\n")
   exp, _ = train.prepare([f"--gin_file={gin_file}", f"--workdir={tmp_path / 'run'}"])
   assert type(exp.task).__name__ == "ArithmeticTask" and len(exp.task.split("eval")) > 0
+
+
+_SLICES = sorted(os.path.join(d, f) for d in ("gpu", "tpu")
+                 for f in os.listdir(os.path.join(CONFIGS, d)) if f.endswith(".gin"))
+
+
+@pytest.mark.parametrize("name", _SLICES)
+def test_every_accelerator_config_parses_and_documents_how_to_plan_and_launch(name):
+  path = os.path.join(CONFIGS, name)
+  head = open(path).read().splitlines()[:2]
+  assert head[0].startswith(f"# Plan:   python -m jaxrl_post.plan --gin_file=configs/{name}")
+  assert head[1].startswith(f"# Launch: python -m jaxrl_post.train --gin_file=configs/{name}")
+  cwd = os.getcwd()
+  os.chdir(os.path.join(CONFIGS, ".."))  # Their includes and MODEL_DIRs are repo-relative.
+  try:
+    config.parse([path], [])
+    config.build_experiment()
+  except UserError as e:  # The GSM8K files live on the machine that trains.
+    assert "/data/gsm8k/train.jsonl: no such file" in str(e), str(e)
+  finally:
+    os.chdir(cwd)
