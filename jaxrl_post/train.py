@@ -114,11 +114,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     exp, workdir = prepare(sys.argv[1:] if argv is None else argv)
     from jaxrl_post.pipeline.loop import run
+    from jaxrl_post.pipeline.pipelined import run_class
 
     import jax
 
     quiet = jax.process_index() != 0  # One process speaks for the run.
-    run(exp, workdir, log=(lambda m: None) if quiet else (lambda m: print(m, flush=True)))
+    run(exp, workdir, log=(lambda m: None) if quiet else (lambda m: print(m, flush=True)),
+        run_cls=run_class(exp))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -173,6 +173,46 @@ class ReferenceSpec:
       raise UserError(f"reference spec: dtype={self.dtype!r} is not 'float32' or 'bfloat16'")
 
 
+ASYNC_MODES = ("sync", "one_step_off", "bounded")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSpec:
+  """How rollout and training overlap.
+
+  Attributes:
+    mode: "sync" (on-policy, the synchronous loop), "one_step_off" (each batch drawn with
+      the weights one RL step older than the synchronous loop's, while the trainer trains
+      on the previous batch) or "bounded" (batches drawn up to max_staleness optimizer
+      steps ahead).
+    max_staleness: "bounded": the most optimizer steps between the weights that drew a
+      token and the old policy it is trained against (the batch's first optimizer step;
+      the later minibatches' own steps are PPO's usual, bounded by the clipped ratio);
+      lag = max_staleness // TrainerConfig.minibatches RL steps, at least 1.
+  """
+
+  mode: str = "sync"
+  max_staleness: int = 2
+
+  def __post_init__(self):
+    if self.mode not in ASYNC_MODES:
+      raise UserError(f"async spec: mode={self.mode!r} is not one of {ASYNC_MODES}")
+    if not isinstance(self.max_staleness, int) or self.max_staleness < 1:
+      raise UserError(f"async spec: max_staleness must be a positive integer, got "
+                      f"{self.max_staleness!r}")
+
+  def lag(self, minibatches: int) -> int:
+    """RL steps between the weights that draw a batch and the synchronous loop's."""
+    if self.mode == "sync":
+      return 0
+    if self.mode == "one_step_off":
+      return 1
+    if self.max_staleness < minibatches:
+      raise UserError(f"async spec: max_staleness={self.max_staleness} optimizer steps is "
+                      f"less than one RL step ({minibatches} minibatches)")
+    return self.max_staleness // minibatches
+
+
 def _grpo() -> AdvantageConfig:
   """GRPO; its group_size is replaced by RolloutSpec.group_size in `validate`."""
   return AdvantageConfig("grpo", group_size=2)
@@ -205,6 +245,7 @@ class Experiment:
   logging: LogSpec = dataclasses.field(default_factory=LogSpec)
   dynamic_sampling: Optional[DynamicSamplingSpec] = None  # DAPO: refill constant groups.
   overlong: Optional[OverlongConfig] = None  # DAPO: soft overlong reward penalty.
+  asynchronous: AsyncSpec = dataclasses.field(default_factory=AsyncSpec)
 
   def __post_init__(self):
     if not isinstance(self.steps, int) or self.steps < 1:
@@ -259,7 +300,7 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              OffPolicyConfig, OptimizerConfig, SftConfig, TrainerConfig, EngineConfig,
              PoolConfig, SchedulerConfig, MeshConfig, PlacementConfig, SyncConfig,
              CheckpointConfig, LoraConfig, HumanEvalTask, ComposedTask, FormatReward,
-             LengthPenalty, MoeConfig, RoutingReplay):
+             LengthPenalty, MoeConfig, RoutingReplay, AsyncSpec):
   _register(_cls)
 for _cls in (DynamicSamplingSpec, OverlongConfig):
   _register(_cls)

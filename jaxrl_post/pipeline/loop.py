@@ -314,10 +314,14 @@ def _train_metrics(history: list[dict]) -> dict[str, Any]:
   return out
 
 
-def run(exp: Experiment, workdir: str, log=print) -> dict[str, Any]:
-  """Runs (or resumes) the experiment to its last step; returns the summary."""
+def run(exp: Experiment, workdir: str, log=print, run_cls=None) -> dict[str, Any]:
+  """Runs (or resumes) the experiment to its last step; returns the summary.
+
+  run_cls: the run's class: RLRun (synchronous), or pipelined.AsyncRLRun, which draws the
+  batches ahead of training under a staleness bound.
+  """
   started = time.time()
-  run_ = RLRun(exp, workdir, log)
+  run_ = (run_cls or RLRun)(exp, workdir, log)
   progress = run_.start()
   first = jax.process_index() == 0  # Process 0 writes the run's files for every process.
   writer = (MetricsWriter(workdir, tensorboard=exp.logging.tensorboard) if first

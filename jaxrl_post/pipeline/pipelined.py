@@ -1,0 +1,273 @@
+"""Asynchronous RL: rollouts drawn ahead of training under a staleness bound.
+
+The synchronous loop (pipeline/loop.py) draws step t's batch with the weights of step
+t - 1, so the trainer waits for every rollout and the engine idles through every update.
+Here a rollout thread draws the batches of later steps while the trainer trains on the
+current one: step t's batch comes from the weights of version t - 1 - lag (the trainer's
+weights after step t - 1 - lag), so at most `lag` batches are in flight or queued, and
+every token's weights are exactly lag RL steps (lag x minibatches optimizer steps) behind
+the weights that train on it. The loss corrects with the configured off-policy weights
+(TIS or sequence masking) against the behaviour logprobs the engine recorded.
+
+  mode            lag                                   staleness (optimizer steps)
+  sync            0 (the synchronous loop itself)       0 .. minibatches - 1
+  one_step_off    1                                     + minibatches
+  bounded         max_staleness // minibatches          <= max_staleness
+
+Which weights draw which batch is fixed by the step, not by timing, so an asynchronous run
+samples the same tokens however fast each side is, and resumes exactly: a checkpoint after
+step s waits for the batches of steps s + 1 .. s + lag (they need no weights newer than
+s - 1), saves them beside the train state, and only then hands version s to the rollout
+thread. A restarted run trains on the saved batches and draws the rest with the restored
+weights. A batch whose tokens are staler than the bound is dropped and counted, never
+trained on (by construction none is; the check guards the invariant).
+
+The engine gets new weights between decode calls (Engine.set_weights: launched calls keep
+the weights they were launched with, and the prefix cache is cleared, so no cached K/V
+crosses versions); each version is a fresh copy, never donated while the engine may read it.
+Evaluation borrows the engine between batches, with the trainer's newest weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline.config import AsyncSpec
+from jaxrl_post.pipeline.loop import Progress, RLRun
+from jaxrl_post.sharding import RolloutWeights
+from jaxrl_post.telemetry import StepTimer
+
+@dataclasses.dataclass
+class _Drawn:
+  """One step's batch as the rollout thread leaves it (picklable: saved in checkpoints)."""
+
+  step: int
+  version: int  # the weights that drew it
+  batch: Any  # dynamic.Drawn used for training
+  drawn: Any  # every group drawn (DAPO's refills included)
+  metrics: dict
+  seconds: float  # the thread's wall time drawing it
+
+
+class _Ahead:
+  """The rollout thread: draws step t's batch once step t - lag is trained and released
+  (its checkpoint, if any, written) and version t - 1 - lag is published. The first wait
+  bounds the queue to lag batches even where the version clamps at 0 (the first steps)."""
+
+  def __init__(self, run: "AsyncRLRun", next_step: int, last_step: int):
+    self.run, self.next_step, self.last_step = run, next_step, last_step
+    self.cond = threading.Condition()
+    self.engine_lock = threading.Lock()
+    self.ready: dict[int, _Drawn] = {}
+    self.weights: dict[int, Any] = {}
+    self.released = next_step - 1  # steps trained whose batches may be drawn past
+    self.error: Optional[BaseException] = None
+    self.closed = False
+    self.idle_s = 0.0  # time waiting for weights (rollout idle)
+    self.thread = threading.Thread(target=self._work, name="rollout-ahead", daemon=True)
+
+  def need(self, step: int) -> int:
+    return max(step - 1 - self.run.lag, 0)
+
+  def publish(self, version: int, params) -> None:
+    """Version `version` (the weights after RL step `version`) may draw, and the thread
+    may run `lag` steps past that step."""
+    with self.cond:
+      self.weights[version] = params
+      self.released = max(self.released, version)
+      for old in [v for v in self.weights if v < self.need(self.next_step) and v != version]:
+        del self.weights[old]  # No batch still to draw reads it.
+      self.cond.notify_all()
+
+  def take(self, step: int) -> _Drawn:
+    with self.cond:
+      self.cond.wait_for(lambda: step in self.ready or self.error is not None)
+      self._raise()
+      return self.ready.pop(step)
+
+  def wait_drawn(self, step: int) -> list[_Drawn]:
+    """Blocks until every batch up to `step` is drawn; the queued ones, in step order."""
+    with self.cond:
+      self.cond.wait_for(lambda: self.next_step > min(step, self.last_step)
+                         or self.error is not None)
+      self._raise()
+      return [self.ready[t] for t in sorted(self.ready)]
+
+  def queue_depth(self) -> int:
+    with self.cond:
+      return len(self.ready)
+
+  def close(self) -> None:
+    with self.cond:
+      self.closed = True
+      self.cond.notify_all()
+    if self.thread.is_alive():
+      self.thread.join(timeout=600)
+
+  def _raise(self) -> None:
+    if self.error is not None:
+      raise RuntimeError("the rollout thread failed") from self.error
+
+  def _work(self) -> None:
+    try:
+      while self.next_step <= self.last_step:
+        t = self.next_step
+        t0 = time.perf_counter()
+        with self.cond:
+          self.cond.wait_for(lambda: (t - self.run.lag <= self.released
+                                      and self.need(t) in self.weights) or self.closed)
+          if self.closed:
+            return
+          params = self.weights[self.need(t)]
+        self.idle_s += time.perf_counter() - t0
+        item = self._draw(t, params)
+        with self.cond:
+          self.ready[t] = item
+          self.next_step = t + 1
+          self.cond.notify_all()
+    except BaseException as e:  # Surfaces in the trainer's thread, at its next take.
+      with self.cond:
+        self.error = e
+        self.cond.notify_all()
+
+  def _draw(self, step: int, params) -> _Drawn:
+    version = self.need(step)
+    timer = StepTimer()
+    with self.engine_lock:
+      engine = self.run.engine
+      if engine.version != version:  # Versions name weights: one number, one copy.
+        engine.set_weights(params, version)
+      timer.start()
+      batch, drawn, metrics = RLRun._sample(self.run, step, timer)
+      roles = timer.stop()
+    return _Drawn(step, version, batch, drawn, metrics, roles["time/step"])
+
+
+class AsyncRLRun(RLRun):
+  """RLRun whose batches come from the rollout thread (see the module docstring)."""
+
+  def __init__(self, exp, workdir: str, log=print):
+    super().__init__(exp, workdir, log)
+    spec = exp.asynchronous
+    self.lag = spec.lag(exp.trainer.minibatches)
+    self.max_staleness = (spec.max_staleness if spec.mode == "bounded"
+                          else self.lag * exp.trainer.minibatches)
+    if exp.sync.every_n_steps != 1:
+      raise UserError("async spec: asynchronous modes sync the weights every step "
+                      f"(SyncConfig.every_n_steps = 1), got {exp.sync.every_n_steps}")
+    self.ahead: Optional[_Ahead] = None
+    self.counters = {"async/dropped_groups": 0}
+
+  # ------------------------------------------------------------------ start / stop
+
+  def start(self) -> Progress:
+    resuming = self.checkpointer.latest_step() is not None
+    progress = super().start()
+    queued = self._load_queue(progress.step) if resuming else []
+    first = progress.step + 1 + len(queued)
+    self.ahead = _Ahead(self, first, self.exp.steps)
+    self.ahead.released = progress.step
+    self.ahead.ready.update({d.step: d for d in queued})
+    self.ahead.publish(self.rollout.version, self.rollout.params)
+    self.ahead.thread.start()
+    return progress
+
+  def close(self) -> None:
+    try:
+      if self.ahead is not None:
+        self.ahead.close()
+    finally:
+      super().close()
+
+  # ------------------------------------------------------------------ the step's roles
+
+  def _sample(self, step: int, timer):
+    with timer.role("wait_data"):
+      item = self.ahead.take(step)
+    staleness = (step - 1 - item.version) * self.exp.trainer.minibatches
+    metrics = dict(item.metrics)
+    if staleness > self.max_staleness:  # Never trained on (the schedule makes none).
+      self.counters["async/dropped_groups"] += len(item.batch.groups)
+      raise RuntimeError(f"async: step {step}'s batch is {staleness} optimizer steps stale, "
+                         f"over max_staleness={self.max_staleness}")
+    tokens = sum(len(c.tokens) for g in item.batch.groups for c in g.completions)
+    hist = [0] * (self.max_staleness + 1)  # Completion tokens per staleness, this step.
+    hist[staleness] = tokens
+    queued = self.ahead.queue_depth()
+    metrics.update({"async/staleness": staleness, "async/staleness_hist": hist,
+                    "async/lag_steps": self.lag, "async/rollout_s": item.seconds,
+                    "async/queue_depth": queued,
+                    "async/queued_groups": queued * self.exp.rollout.prompts_per_step,
+                    "async/rollout_idle_s": self.ahead.idle_s, **self.counters})
+    self.ahead.idle_s = 0.0
+    return item.batch, item.drawn, metrics
+
+  def _sync(self, step: int) -> dict[str, int]:
+    """A fresh rollout copy of the new weights (the engine may still read the old one);
+    handed to the rollout thread once any checkpoint of this step is written."""
+    fresh = self.sync.initial(self.trainer.full_params(self.state))
+    self.rollout = RolloutWeights(fresh.params, self.rollout.version + 1)
+    jax.block_until_ready(self.rollout.params)
+    if not self._saves_after(step):
+      self.ahead.publish(self.rollout.version, self.rollout.params)
+    return {"sync/bytes": self.sync.bytes_per_sync}
+
+  def _saves_after(self, step: int) -> bool:
+    return step % self.exp.checkpoint.every_n_steps == 0 or step == self.exp.steps
+
+  def evaluate(self) -> dict[str, float]:
+    with self.ahead.engine_lock:  # Between two batches; the thread resets its weights.
+      self.engine.set_weights(self.rollout.params, self.rollout.version)
+      return super().evaluate()
+
+  # ------------------------------------------------------------------ checkpoints
+
+  def save(self, progress: Progress) -> None:
+    queued = self.ahead.wait_drawn(progress.step + self.lag) if self.ahead else []
+    if jax.process_index() == 0:
+      self._write_queue(progress.step, queued)
+    super().save(progress)
+    if self.ahead is not None:
+      self.ahead.publish(self.rollout.version, self.rollout.params)
+
+  def _queue_path(self, step: int) -> str:
+    return os.path.join(self.workdir, "checkpoints", f"queue_{step}.pkl")
+
+  def _write_queue(self, step: int, queued: list[_Drawn]) -> None:
+    """The drawn batches not yet trained on, beside checkpoint `step` (written first and
+    renamed into place, so a checkpoint never has a partial queue)."""
+    path = self._queue_path(step)
+    with open(path + ".tmp", "wb") as f:
+      pickle.dump({"step": step, "lag": self.lag, "batches": queued}, f)
+    os.replace(path + ".tmp", path)
+    for name in os.listdir(os.path.dirname(path)):  # Queues of checkpoints Orbax dropped.
+      if name.startswith("queue_") and name.endswith(".pkl"):
+        old = int(name[len("queue_"):-len(".pkl")])
+        if old < step and not os.path.isdir(os.path.join(os.path.dirname(path), str(old))):
+          os.remove(os.path.join(os.path.dirname(path), name))
+
+  def _load_queue(self, step: int) -> list[_Drawn]:
+    path = self._queue_path(step)
+    if not os.path.exists(path):
+      raise UserError(f"{path}: checkpoint {step} has no saved rollout queue; an "
+                      "asynchronous run resumes only from its own checkpoints")
+    with open(path, "rb") as f:
+      saved = pickle.load(f)
+    if saved["lag"] != self.lag:
+      raise UserError(f"{path}: saved with lag {saved['lag']}, this run's is {self.lag} "
+                      "(AsyncSpec changed)")
+    return saved["batches"]
+
+
+def run_class(exp) -> type:
+  """The run for this experiment's asynchronous mode."""
+  return RLRun if exp.asynchronous.mode == "sync" else AsyncRLRun
