@@ -24,7 +24,7 @@ FAST = ["Experiment.steps = 5", "SftConfig.steps = 4", "EvalSpec.every_n_steps =
 # Wall-clock figures and this process's compile counts differ between any two runs (a
 # resumed process compiles afresh); everything else must not.
 TIMING = ("time/", "rollout/tokens_per_s", "compile/", "reward/wait_s",
-          "verifier/seconds_per_sample")
+          "verifier/seconds_per_sample", "train/tokens_per_s", "perf/", "alarm/step_time")
 
 
 def _argv(workdir, extra=(), gin_file=QUICKSTART):
