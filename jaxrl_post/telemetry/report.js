@@ -35,6 +35,12 @@
     if (a >= 1000) return (v / 1000).toPrecision(3) + "k";
     return +v.toPrecision(3) + "";
   }
+  function tickLabel(v, step, bytes) {
+    // Enough decimals to tell neighbouring ticks apart (4.705, 4.710, ...).
+    if (bytes || Math.abs(v) >= 1000 || Math.abs(step) < 1e-4) return fmt(v, bytes);
+    var decimals = Math.max(0, Math.ceil(-Math.log10(step) - 1e-9));
+    return v.toFixed(Math.min(decimals, 6));
+  }
   function ticks(lo, hi, n) {
     if (!(hi > lo)) { hi = lo + 1; }
     var step = Math.pow(10, Math.floor(Math.log10((hi - lo) / n)));
@@ -60,9 +66,11 @@
   function axes(svg, xs, ys, bytes) {
     var x = function (v) { return L + (v - xs[0]) / (xs[1] - xs[0] || 1) * (W - L - R); };
     var y = function (v) { return H - B - (v - ys[0]) / (ys[1] - ys[0] || 1) * (H - T - B); };
-    ticks(ys[0], ys[1], 5).forEach(function (v) {
+    var yt = ticks(ys[0], ys[1], 5);
+    yt.forEach(function (v) {
       el("line", {x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#eceff3"}, svg);
-      text(svg, L - 6, y(v) + 4, fmt(v, bytes), {"text-anchor": "end"});
+      text(svg, L - 6, y(v) + 4, tickLabel(v, yt.length > 1 ? yt[1] - yt[0] : 1, bytes),
+           {"text-anchor": "end"});
     });
     ticks(xs[0], xs[1], 6).forEach(function (v) {
       if (v !== Math.round(v)) return;
