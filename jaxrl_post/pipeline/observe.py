@@ -14,9 +14,10 @@ loop.py stays as it is. Metrics added (per step):
                                   device); elsewhere the FLOP/s of a matmul measured at the
                                   start, and the name says so:
                                   perf/train_mfu_vs_cpu_measured_matmul on the CPU
-  perf/decode_hbm_util            the bytes the decode calls must read (rollout weights once
-                                  per decode step, plus the KV pages each step attends over)
-                                  / decode time / (HBM bandwidth x rollout devices); decode
+  perf/decode_hbm_util            the bytes the decode calls must read (each device's rollout
+                                  weights once per decode step, plus the KV pages each step
+                                  attends over) / decode time / (HBM bandwidth x rollout
+                                  devices; the host's measured bandwidth on the CPU); decode
                                   time is the rollout role less its prefill calls, so host
                                   scheduling counts against it (a lower bound). Named
                                   ..._vs_cpu_measured_copy against a measured bandwidth.
@@ -112,8 +113,7 @@ class RunTelemetry:
       out[name] = flops / seconds / (self.rates.flops_per_s * self.train_devices)
     decode_s = m.get("time/rollout", 0.0) - self.decode.prefill_s
     if decode_s > 0 and self.decode.bytes:
-      devices = 1 if self.run_.meshes.rollout.devices.flat[0].platform == "cpu" else \
-          self.run_.meshes.rollout.devices.size
+      devices = 1 if self.decode.cpu else self.decode.devices
       name = self.rates.metric("perf/decode_hbm_util", self.rates.bytes_label)
       out[name] = self.decode.bytes / decode_s / (self.rates.bytes_per_s * devices)
       out["perf/decode_bytes"] = float(self.decode.bytes)
@@ -143,8 +143,14 @@ class _DecodeCounter:
   def __init__(self, run_):
     engine = self.engine = run_.engine
     self.steps = engine.config.decode_steps
+    mesh = run_.meshes.rollout
+    self.devices, self.cpu = mesh.devices.size, mesh.devices.flat[0].platform == "cpu"
     pages = sum(a.num_pages for a in engine.allocs)
     self.page_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.pool)) / max(pages, 1)
+    # Every device reads its own copy or shard of the weights each decode step (replicas
+    # included), so the weights count once per device.
+    self.weight_bytes = self.devices * sum(x.addressable_shards[0].data.nbytes
+                                           for x in jax.tree.leaves(engine.params))
     self.counting = True
     self.reset()
     launch, prefill, evaluate = engine.launch, engine.prefill_batch, run_.evaluate
@@ -152,8 +158,7 @@ class _DecodeCounter:
     def counted_launch(*args, **kwargs):
       if self.counting:
         cascade, paged = engine.attention_reads()
-        weights = sum(x.nbytes for x in jax.tree.leaves(engine.params))
-        self.bytes += self.steps * (weights + (cascade if engine.cascade else paged)
+        self.bytes += self.steps * (self.weight_bytes + (cascade if engine.cascade else paged)
                                     * self.page_bytes)
       return launch(*args, **kwargs)
 

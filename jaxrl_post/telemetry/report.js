@@ -267,7 +267,7 @@
   function drawAlarms(div, plot) {
     var tl = plot.timeline;
     if (!tl.judged) { note(div, "no alarm metrics logged yet"); return 0; }
-    var rowH = 22, top = 8, h = top + tl.alarms.length * rowH + 30;
+    var rowH = 22, top = 8, h = top + tl.alarms.length * rowH + 36;
     var svg = el("svg", {viewBox: "0 0 " + W + " " + h, role: "img"});
     div.appendChild(svg);
     var xs = tl.steps[1] > tl.steps[0] ? tl.steps : [tl.steps[0] - 0.5, tl.steps[0] + 0.5];
