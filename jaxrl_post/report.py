@@ -174,15 +174,18 @@ def _plots(records: Sequence[dict]) -> list[dict]:
   mfu = _names(records, "perf/train_mfu") + _names(records, "perf/decode_hbm_util")
   return [
       {"id": "reward", "title": "Reward and held-out accuracy", "kind": "lines", "y": "",
+       "alarms": ["reward_vs_heldout", "verifier_failures"],
        "series": _lines(records, ["reward/mean"] + eval_names,
                         {"reward/mean": "training reward (mean)",
                          "eval/accuracy": "held-out accuracy"})},
-      {"id": "kl", "title": "KL", "kind": "lines", "series": _lines(records, kl)},
+      {"id": "kl", "title": "KL", "kind": "lines", "series": _lines(records, kl),
+       "alarms": ["kl_spike", "logprob_mismatch"]},
       {"id": "entropy", "title": "Entropy (nats per token)", "kind": "lines",
        "series": _lines(records, ["train/entropy"])},
       {"id": "clip", "title": "Clip fraction", "kind": "lines",
-       "series": _clip_fraction(records)},
+       "series": _clip_fraction(records), "alarms": ["clip_fraction"]},
       {"id": "roles", "title": "Seconds per step, by role", "kind": "stacked",
+       "alarms": ["step_time"],
        "stack": bucket_means(records, roles), "labels": [n[5:] for n in roles]},
       {"id": "ratio", "title": "Importance ratio (token counts)", "kind": "bars",
        "hist": ratio_histogram(records)},
@@ -297,7 +300,8 @@ main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1f
 .wide {{ grid-column: 1 / -1; }}
 pre {{ background: #f0f2f5; padding: 8px; overflow: auto; max-height: 420px; font-size: 12px; }}
 details summary {{ cursor: pointer; font-weight: 600; }}
-table.fired {{ border-collapse: collapse; font-size: 12px; margin-top: 6px; }}
+table.fired {{ border-collapse: collapse; font-size: 12px; margin-top: 6px; display: block;
+               max-height: 220px; overflow: auto; }}
 table.fired td, table.fired th {{ border-bottom: 1px solid #e4e7ec; padding: 2px 8px;
                                    text-align: left; }}
 .tip {{ position: fixed; pointer-events: none; background: #1d2330; color: #fff;

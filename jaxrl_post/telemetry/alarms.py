@@ -8,9 +8,11 @@ clears, a later onset fires again. The thresholds are `AlarmSpec` fields (gin: A
 
 The alarms and the metrics they read:
 
-  step_time         time/step above `step_time_factor` x the running median of the last
-                    `window` steps (steps that compiled new programs are not judged: a
-                    compile is not a slowdown);
+  step_time         step time running above `step_time_factor` x its running median: the
+                    median of the last `recent` steps above that factor times the median
+                    of the `window` steps before them, so one slow step on a busy host is
+                    no alarm, and a slowdown that lasts is (steps that compiled new
+                    programs are left out: a compile is not a slowdown);
   clip_fraction     train/clip_frac_low + train/clip_frac_high above `clip_fraction_max`;
   logprob_mismatch  train/mismatch/abs_mean (|rollout engine logprob - trainer logprob| per
                     token) above `logprob_mismatch_max`;
@@ -49,11 +51,13 @@ class AlarmSpec:
     enabled: watch the metrics at all.
     window: steps in the running medians of step time and KL.
     min_history: steps a running median needs before its alarm can fire.
-    step_time_factor: step time above this times its running median.
+    recent: the last steps whose median step time is compared with the running median.
+    step_time_factor: recent step time above this times its running median.
     clip_fraction_max: clipped fraction of tokens (low + high bound) above this.
     logprob_mismatch_max: mean |rollout logprob - trainer logprob| per token above this.
     kl_spike_factor: KL above this times its running median...
-    kl_floor: ...and above this (a median near 0 makes any KL a "spike").
+    kl_floor: ...and above this, in nats per token: a KL this small is no runaway whatever
+      its median (near 0 it would make any KL a "spike").
     evals: evaluations compared by the reward-vs-held-out alarm (>= 3).
     heldout_drop: held-out accuracy falling by more than this over those evaluations...
     reward_rise: ...while the training reward rises by more than this.
@@ -63,11 +67,12 @@ class AlarmSpec:
   enabled: bool = True
   window: int = 20
   min_history: int = 5
+  recent: int = 5
   step_time_factor: float = 1.2
   clip_fraction_max: float = 0.3
   logprob_mismatch_max: float = 0.1
   kl_spike_factor: float = 5.0
-  kl_floor: float = 1e-3
+  kl_floor: float = 0.01
   evals: int = 3
   heldout_drop: float = 0.02
   reward_rise: float = 0.02
@@ -76,7 +81,7 @@ class AlarmSpec:
   def __post_init__(self):
     if not isinstance(self.enabled, bool):
       raise UserError(f"alarm spec: enabled must be True or False, got {self.enabled!r}")
-    for name in ("window", "min_history"):
+    for name in ("window", "min_history", "recent"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise UserError(f"alarm spec: {name} must be a positive integer, got {value!r}")
@@ -107,7 +112,7 @@ class AlarmMonitor:
     self.spec, self.log = spec, log
     self.active = {name: False for name in ALARMS}
     self.fired: list[tuple[int, str, str]] = []  # (step, alarm, message), in order
-    self._step_times = collections.deque(maxlen=spec.window)
+    self._step_times = collections.deque(maxlen=spec.window + spec.recent)
     self._kls = collections.deque(maxlen=spec.window)
     self._evals: list[tuple[int, float]] = []  # (step, held-out accuracy)
     self._rewards: list[tuple[int, float]] = []  # (step, training reward)
@@ -143,14 +148,15 @@ class AlarmMonitor:
     if seconds is None or _get(m, "compile/new_programs", 0.0) > 0:
       return None
     history = self._step_times
-    median = statistics.median(history) if len(history) >= self.spec.min_history else None
     history.append(seconds)
-    if median is None:
+    recent = list(history)[-self.spec.recent:]
+    before = list(history)[:-self.spec.recent]
+    if len(recent) < self.spec.recent or len(before) < self.spec.min_history:
       return None
-    limit = self.spec.step_time_factor * median
-    if seconds > limit:
-      return (f"step took {seconds:.3g} s, above {self.spec.step_time_factor:g} x the "
-              f"running median {median:.3g} s")
+    now, median = statistics.median(recent), statistics.median(before)
+    if now > self.spec.step_time_factor * median:
+      return (f"the last {self.spec.recent} steps took {now:.3g} s (median), above "
+              f"{self.spec.step_time_factor:g} x the running median {median:.3g} s")
     return ""
 
   def _clip_fraction(self, step: int, m: Mapping[str, Any]) -> Optional[str]:

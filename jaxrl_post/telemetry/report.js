@@ -9,7 +9,11 @@
                 "#6b7484", "#7a5c2e", "#4b4fc4"];
   var data = JSON.parse(document.getElementById("report-data").textContent);
   var tip = document.getElementById("tip");
-  var onsets = (data.fired || []).map(function (f) { return f.step; });
+  function onsetsOf(names) {  // The steps where the alarms a plot is about fired.
+    return (data.fired || []).filter(function (f) {
+      return (names || []).indexOf(f.alarm) >= 0;
+    }).map(function (f) { return f.step; });
+  }
 
   function el(name, attrs, parent) {
     var node = document.createElementNS(NS, name);
@@ -81,8 +85,8 @@
     text(svg, W - R, H - 2, "step", {"text-anchor": "end"});
     return {x: x, y: y};
   }
-  function markOnsets(svg, s, xs) {
-    onsets.forEach(function (step) {
+  function markOnsets(svg, s, xs, plot) {
+    onsetsOf(plot.alarms).forEach(function (step) {
       if (step < xs[0] || step > xs[1]) return;
       el("line", {x1: s.x(step), x2: s.x(step), y1: T, y2: H - B, stroke: "#d63a3a",
                   "stroke-dasharray": "3 3", "stroke-width": 1, class: "alarm-onset"}, svg);
@@ -148,7 +152,7 @@
     var nonneg = all.every(function (p) { return p[1] >= 0; });
     if (nonneg && (plot.bytes || ys[0] < (ys[1] - ys[0]))) ys[0] = 0;  // Start at 0.
     var s = axes(svg, xs, ys, plot.bytes);
-    markOnsets(svg, s, xs);
+    markOnsets(svg, s, xs, plot);
     var drawn = 0, downsampled = [];
     series.forEach(function (ser, i) {
       var color = COLORS[i % COLORS.length];
@@ -193,14 +197,22 @@
     });
     var xs = extent(st.steps);
     if (xs[1] - xs[0] < 1) xs = [xs[0] - 0.5, xs[0] + 0.5];
-    var s = axes(svg, xs, [0, extent(tops, 0.05)[1]]);
-    markOnsets(svg, s, xs);
+    // A first step that compiles everything can take 30x a later one: the scale follows the
+    // typical steps, and steps above it are drawn clipped and listed under the plot.
+    var sorted = tops.slice().sort(function (a, b) { return a - b; });
+    var typical = sorted[Math.floor(0.98 * (sorted.length - 1))];
+    var top = sorted[sorted.length - 1];
+    var clipped = top > 3 * typical && sorted.length >= 10;
+    var ymax = clipped ? typical * 1.6 : top * 1.05;
+    var s = axes(svg, xs, [0, ymax]);
+    var clamp = function (v) { return Math.min(v, ymax); };
+    markOnsets(svg, s, xs, plot);
     layers.forEach(function (layer, i) {
       var up = st.steps.map(function (step, j) {
-        return (j ? "L" : "M") + s.x(step).toFixed(1) + " " + s.y(layer.top[j]).toFixed(1);
+        return (j ? "L" : "M") + s.x(step).toFixed(1) + " " + s.y(clamp(layer.top[j])).toFixed(1);
       }).join("");
       var down = st.steps.map(function (step, j) { return j; }).reverse().map(function (j) {
-        return "L" + s.x(st.steps[j]).toFixed(1) + " " + s.y(layer.base[j]).toFixed(1);
+        return "L" + s.x(st.steps[j]).toFixed(1) + " " + s.y(clamp(layer.base[j])).toFixed(1);
       }).join("");
       var color = COLORS[i % COLORS.length];
       if (n === 1) {  // One step: a bar.
@@ -223,6 +235,14 @@
     });
     legend(div, plot.labels);
     if (st.of > n) note(div, st.of + " steps as " + n + " bucket means");
+    if (clipped) {
+      var over = [];
+      st.steps.forEach(function (step, j) {
+        if (tops[j] > ymax) over.push("step " + fmt(step) + ": " + fmt(tops[j]) + " s");
+      });
+      note(div, "off the scale (clipped): " + over.slice(0, 8).join(", ") +
+           (over.length > 8 ? " and " + (over.length - 8) + " more" : ""));
+    }
     return n * names.length;
   }
 
@@ -295,13 +315,16 @@
     note(div, fired.length ? fired.length + " alarm(s) fired (red: while the condition held; " +
          "dashed red lines on the other plots: onsets)" :
          "no alarm fired in the " + tl.judged + " steps judged (green: clear)");
-    if (fired.length) {
+    if (fired.length) {  // One row per alarm: how often, and the steps where it fired.
       var table = document.createElement("table");
       table.className = "fired";
-      table.innerHTML = "<tr><th>step</th><th>alarm</th></tr>";
-      fired.forEach(function (f) {
+      table.innerHTML = "<tr><th>alarm</th><th>fired</th><th>at steps</th></tr>";
+      tl.alarms.forEach(function (a) {
+        var steps = fired.filter(function (f) { return f.alarm === a.name; })
+                         .map(function (f) { return f.step; });
+        if (!steps.length) return;
         var tr = document.createElement("tr");
-        [f.step, f.alarm].forEach(function (v) {
+        [a.name, steps.length + "x", steps.join(", ")].forEach(function (v) {
           var td = document.createElement("td");
           td.textContent = v;
           tr.appendChild(td);

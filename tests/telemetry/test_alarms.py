@@ -35,16 +35,17 @@ def test_a_healthy_stream_fires_nothing():
   assert not any(out[40].values())
 
 
-def test_step_time_above_its_running_median():
-  stream = {s: {"time/step": 1.5} for s in (30, 31, 32)}  # One episode of three steps.
-  stream[40] = {"time/step": 1.3}  # A second onset after the condition cleared.
-  stream[45] = {}
+def test_step_time_running_above_its_running_median():
+  stream = {s: {"time/step": 1.5} for s in range(30, 35)}  # A slowdown that lasts 5 steps,
+  stream[40] = {"time/step": 3.0}  # one slow step (a busy host): no alarm,
+  stream.update({s: {"time/step": 1.3} for s in range(45, 48)})  # a second slowdown.
+  stream[55] = {}
   monitor, lines, out = _run(stream)
-  assert [s for s, name, _ in monitor.fired] == [30, 40]
-  assert _episodes(out, "step_time") == [30, 40]
-  assert out[32]["alarm/step_time"] == 1.0 and out[33]["alarm/step_time"] == 0.0
-  assert len(lines) == 2 and lines[0].startswith("warning: alarm step_time at step 30")
-  assert "running median 1 s" in lines[0]
+  assert [s for s, name, _ in monitor.fired] == [32, 47]  # 3 of the last 5 steps slow
+  assert _episodes(out, "step_time") == [32, 47]
+  assert out[36]["alarm/step_time"] == 1.0 and out[37]["alarm/step_time"] == 0.0
+  assert len(lines) == 2 and lines[0].startswith("warning: alarm step_time at step 32")
+  assert "the last 5 steps took 1.5 s (median), above 1.2 x the running median 1 s" in lines[0]
 
 
 def test_step_time_needs_history_and_skips_compiling_steps():
@@ -76,12 +77,16 @@ def test_kl_spike_against_its_running_median():
                             20: {}})
   assert [(s, n) for s, n, _ in monitor.fired] == [(12, "kl_spike")]  # 0.04 < 5 x 0.01
   assert "train/kl/reference 0.06" in lines[0]
+  # Five times a tiny median but under the floor (0.01 nats per token): no runaway.
+  monitor, _, _ = _run({s: {"train/kl/reference": 5e-4} for s in range(1, 12)} |
+                       {12: {"train/kl/reference": 0.004}, 13: {}})
+  assert monitor.fired == []
 
 
 def test_kl_spike_reads_behaviour_kl_without_a_reference_and_respects_the_floor():
   stream = {s: {"train/kl/reference": None, "train/kl/behaviour": 1e-6} for s in range(1, 16)}
-  stream[10] = {"train/kl/reference": None, "train/kl/behaviour": 1e-4}  # 100x, under floor
-  stream[15] = {"train/kl/reference": None, "train/kl/behaviour": 5e-3}
+  stream[10] = {"train/kl/reference": None, "train/kl/behaviour": 1e-3}  # 1000x, under floor
+  stream[15] = {"train/kl/reference": None, "train/kl/behaviour": 0.05}
   monitor, _, _ = _run(stream)
   assert [(s, n) for s, n, _ in monitor.fired] == [(15, "kl_spike")]
 
