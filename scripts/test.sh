@@ -9,6 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The report's browser test (-m browser) opens it in Debian's chromium: installed here where
+# it can be (root with apt-get), quietly; elsewhere that test is skipped and says why.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+    >/dev/null 2>&1 || echo "test: chromium not installed; the browser test will be skipped" >&2
+fi
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
 exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 -m "not sweep" "$@"

@@ -43,6 +43,8 @@ from jaxrl_post.rollout.engine import EngineConfig
 from jaxrl_post.rollout.pages import PoolConfig
 from jaxrl_post.rollout.scheduler import SchedulerConfig
 from jaxrl_post.sharding import MeshConfig, PlacementConfig, SyncConfig
+from jaxrl_post.telemetry.alarms import AlarmSpec
+from jaxrl_post.telemetry.profile import ProfileSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +248,8 @@ class Experiment:
   dynamic_sampling: Optional[DynamicSamplingSpec] = None  # DAPO: refill constant groups.
   overlong: Optional[OverlongConfig] = None  # DAPO: soft overlong reward penalty.
   asynchronous: AsyncSpec = dataclasses.field(default_factory=AsyncSpec)
+  profile: ProfileSpec = dataclasses.field(default_factory=ProfileSpec)  # Trace, profiler.
+  alarms: AlarmSpec = dataclasses.field(default_factory=AlarmSpec)
 
   def __post_init__(self):
     if not isinstance(self.steps, int) or self.steps < 1:
@@ -303,6 +307,8 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              LengthPenalty, MoeConfig, RoutingReplay, AsyncSpec):
   _register(_cls)
 for _cls in (DynamicSamplingSpec, OverlongConfig):
+  _register(_cls)
+for _cls in (ProfileSpec, AlarmSpec):
   _register(_cls)
 
 

@@ -39,6 +39,7 @@ from jaxrl_post.models.transformer import abstract_model, is_adapter, logical_ax
 from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.pipeline.config import Experiment
+from jaxrl_post.pipeline.observe import RunTelemetry, write_report
 from jaxrl_post.pipeline.policy import load_policy
 from jaxrl_post.pipeline.warmup import warm_up
 from jaxrl_post.rewards import VerifierPool
@@ -209,7 +210,8 @@ class RLRun:
     metrics.update(_train_metrics(history), **batch.stats.as_metrics(), **shaping)
     metrics.update(rollout_batch_metrics(drawn.rewards, k))
     metrics.update({"reward/std": float(np.std(drawn.rewards)),
-                    "weight_version": self.rollout.version})
+                    "weight_version": self.rollout.version,
+                    "train/tokens": sum(len(t.prompt) + len(t.completion) for t in trajs)})
     return metrics
 
   def _sample(self, step: int, timer: StepTimer) -> tuple[dynamic.Drawn, dynamic.Drawn, dict]:
@@ -330,28 +332,35 @@ def run(exp: Experiment, workdir: str, log=print, run_cls=None) -> dict[str, Any
   writer.truncate_after(-1 if fresh else progress.step)
   if first:
     truncate_jsonl(run_.dead_letter, -1 if fresh else progress.step)
+  telemetry = None
   try:
+    telemetry = RunTelemetry(run_, workdir, progress.step, log, writes=first)
     if fresh:
       _record_eval(run_, progress, writer, extra=progress.counters)
       run_.save(progress)
     with CompileCounter() as compiles:
-      _loop(run_, progress, writer, compiles)
+      _loop(run_, progress, writer, compiles, telemetry)
   finally:
+    if telemetry is not None:
+      telemetry.close()
     writer.close()
     run_.close()
   summary = _summary(progress, time.time() - started)
   log(summary["message"])
+  if first:
+    summary["report"] = write_report(workdir, log)
   return summary
 
 
 def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter,
-          compiles: CompileCounter) -> None:
+          compiles: CompileCounter, telemetry: RunTelemetry) -> None:
   exp = run_.exp
   show = exp.logging.progress and jax.process_index() == 0
   bar = ProgressBar(exp.steps, progress.step) if show else None
   timer = StepTimer()
   seen, loaded = compiles.total, compiles.cache_hits
   for step in range(progress.step + 1, exp.steps + 1):
+    telemetry.begin(step)
     timer.start()
     metrics = run_.step(step, timer)
     metrics.update(timer.stop())
@@ -363,6 +372,7 @@ def _loop(run_: RLRun, progress: Progress, writer: MetricsWriter,
     loaded_before, loaded = loaded, compiles.cache_hits
     metrics.update({"compile/programs": seen, "compile/new_programs": seen - before,
                     "compile/cached_programs": loaded - loaded_before})
+    metrics.update(telemetry.end(step, timer, metrics))  # Memory, MFU, alarms, trace.
     writer.write(step, metrics)
     if bar:
       bar.update(step, metrics["reward/mean"], metrics["rollout/tokens_per_s"])

@@ -89,7 +89,7 @@ class VerifierStats:
     return {"errors": self.errors, "timeouts": self.timeouts, "crashes": self.crashes}
 
   def as_metrics(self) -> dict[str, float]:
-    out: dict[str, float] = {"reward/wait_s": self.wait_s,
+    out: dict[str, float] = {"reward/wait_s": self.wait_s, "verifier/samples": self.samples,
                              "verifier/seconds_per_sample": self.busy_s / max(self.samples, 1)}
     out.update({f"verifier/{name}": n for name, n in self.counts().items()})
     out.update({f"verifier/errors/{name}": n for name, n in sorted(self.error_types.items())})

@@ -1,7 +1,10 @@
-"""Training telemetry: per-role step timers, metrics files and a progress display.
+"""Training telemetry: per-role step timers, metrics files and a progress display; the role
+timeline (trace), the profiler window, device memory and peak rates (resources, peaks),
+alarms, and the report's plotting script (report.js).
 
-A leaf package: it imports neither jax nor other jaxrl_post modules (besides `errors`), so
-it can be used from tools that only read a run's output.
+A leaf package: it imports no other jaxrl_post modules (besides `errors`), and jax only
+inside the functions that need a device (resources, profile) and in `dispatch`, so it can be
+used from tools that only read a run's output (python -m jaxrl_post.report).
 """
 
 from jaxrl_post.telemetry.progress import ProgressBar

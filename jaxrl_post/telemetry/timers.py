@@ -45,6 +45,9 @@ class StepTimer:
     self._step_start: float | None = None
     self._totals: dict[str, float] = {}
     self._open: set[str] = set()
+    # (role, begin, end) on `clock`, in the order the blocks ended: the step's timeline.
+    self.spans: list[tuple[str, float, float]] = []
+    self.step_span: tuple[float, float] | None = None  # The last step's (begin, end).
 
   @property
   def running(self) -> bool:
@@ -62,6 +65,7 @@ class StepTimer:
       raise RuntimeError("StepTimer.start() called twice without stop()")
     self._totals = {}
     self._open = set()
+    self.spans = []
     self._step_start = self._clock()
 
   @contextlib.contextmanager
@@ -85,8 +89,9 @@ class StepTimer:
     try:
       yield
     finally:
-      elapsed = self._clock() - begin
-      self._totals[name] = self._totals.get(name, 0.0) + elapsed
+      end = self._clock()
+      self._totals[name] = self._totals.get(name, 0.0) + end - begin
+      self.spans.append((name, begin, end))
       self._open.discard(name)
 
   def stop(self) -> dict[str, float]:
@@ -105,7 +110,9 @@ class StepTimer:
       raise RuntimeError("StepTimer.stop() called without start()")
     if self._open:
       raise RuntimeError(f"StepTimer.stop() called inside role(s) {sorted(self._open)}")
-    total = self._clock() - self._step_start
+    end = self._clock()
+    total = end - self._step_start
+    self.step_span = (self._step_start, end)
     self._step_start = None
     result = {f"time/{name}": seconds for name, seconds in self._totals.items()}
     result["time/waiting"] = max(0.0, total - sum(self._totals.values()))

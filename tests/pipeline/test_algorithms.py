@@ -25,7 +25,7 @@ FAST = ["Experiment.steps = 2", "SftConfig.steps = 0", "TrainerConfig.minibatche
         "PlacementConfig.num_devices = 1", "OptimizerConfig.total_steps = 10",
         "LogSpec.progress = False", "LogSpec.tensorboard = False"]
 TIMING = ("time/", "rollout/tokens_per_s", "compile/", "reward/wait_s",
-          "verifier/seconds_per_sample")
+          "verifier/seconds_per_sample", "train/tokens_per_s", "perf/", "alarm/step_time")
 OFF_POLICY = ("train/off_policy/tis_truncated_frac", "train/off_policy/seq_dropped_frac",
               "train/off_policy/is_weight_mean")
 DAPO = ("dapo/rounds", "dapo/groups_drawn", "dapo/groups_zero_variance", "dapo/groups_dropped",

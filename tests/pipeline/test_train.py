@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_post import train
 from jaxrl_post.telemetry import read_metrics
+from jaxrl_post.telemetry.trace import read_trace
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.gin")
@@ -24,7 +25,7 @@ FAST = ["Experiment.steps = 5", "SftConfig.steps = 4", "EvalSpec.every_n_steps =
 # Wall-clock figures and this process's compile counts differ between any two runs (a
 # resumed process compiles afresh); everything else must not.
 TIMING = ("time/", "rollout/tokens_per_s", "compile/", "reward/wait_s",
-          "verifier/seconds_per_sample")
+          "verifier/seconds_per_sample", "train/tokens_per_s", "perf/", "alarm/step_time")
 
 
 def _argv(workdir, extra=(), gin_file=QUICKSTART):
@@ -52,6 +53,16 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert step["weight_version"] == 1 and records[5]["weight_version"] == 5
   assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4, 5]
   assert "sft/final_loss" in records[0]
+  # Telemetry: the train program's memory, MFU against this host's measured matmul rate,
+  # the alarms (none fire), the role timeline and the report, whose path the run prints.
+  for key in ("memory/train_program/peak_bytes", "perf/train_mfu_vs_cpu_measured_matmul",
+              "train/tokens_per_s", "alarm/step_time", "alarm/verifier_failures"):
+    assert key in step, key
+  assert not any(k.startswith("memory/") and "train_program" not in k for k in step)  # CPU
+  assert not any(v for k, v in records[-1].items() if k.startswith("alarm/"))
+  roles = {e["name"] for e in read_trace(str(workdir / "trace.json")) if e.get("cat") == "role"}
+  assert {"rollout", "reward", "train", "sync"} <= roles
+  assert f"report: {workdir / 'report.html'}" in out and (workdir / "report.html").exists()
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir / "tensorboard"))
   assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "5"]
   assert json.loads((workdir / "config.json").read_text())["steps"] == 5
