@@ -55,8 +55,20 @@ def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int, source: str) -> dic
       "q_norm": ("self_attn.q_norm.weight", (hd,)),
       "k_norm": ("self_attn.k_norm.weight", (hd,)),
   }
+  spec.update({ours: (hf, (d,)) for ours, hf in sandwich_norm_names(cfg).items()})
   return {ours: _fetch(get, pre + spec[ours][0], spec[ours][1], shape, source)
           for ours, (shape, _) in layer_param_shapes(cfg).items()}
+
+
+def sandwich_norm_names(cfg: ModelConfig) -> dict[str, str]:
+  """Gemma's per-layer norm names where they differ from Llama's: its
+  post_attention_layernorm norms the attention output, and the MLP's input norm is
+  pre_feedforward_layernorm."""
+  if not cfg.sandwich_norms:
+    return {}
+  return {"mlp_norm": "pre_feedforward_layernorm.weight",
+          "post_attn_norm": "post_attention_layernorm.weight",
+          "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
 
 def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transformer:

@@ -15,8 +15,9 @@ decoding samples of one prompt, and decode attention is cascade attention: the b
 shared whole prompt pages are read once per block per step instead of once per sample
 (the partial last prompt page is each sample's own copy, so it counts as the sample's).
 Callers then insert a prompt's samples only into blocks that are free or already hold that
-prompt; the Scheduler does so. Sliding-window models keep the block placement but decode
-with plain paged attention, which is the only one with a window.
+prompt; the Scheduler does so. Models with sliding-window layers (Mistral, Gemma 3) keep
+the block placement but decode with plain paged attention, which is the only one with a
+window (forward.cascade_refusal says why for a given model).
 
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
 between calls; every token is stamped with the version that produced it. `generate` at the
@@ -471,7 +472,8 @@ class Engine:
     blocks = self.num_slots // config.group_slots if config.group_slots else 0
     self._block_table = np.full((blocks, self.max_pages), TRASH_PAGE, np.int32)
     self._block_len = np.zeros((blocks,), np.int32)
-    self.cascade = bool(config.group_slots) and model_config.sliding_window is None
+    # Windowed models keep the blocks but decode with plain paged attention.
+    self.cascade = bool(config.group_slots) and forward.cascade_refusal(model_config) is None
 
   @classmethod
   def from_model(cls, model: Transformer, config: EngineConfig = EngineConfig(), *,
