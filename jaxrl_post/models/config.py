@@ -146,6 +146,12 @@ class ModelConfig:
                  for t in self.layer_types)
 
   @property
+  def layer_windows_types(self) -> tuple[str, ...]:
+    """layer_windows in Hugging Face's layer_types names."""
+    return tuple("full_attention" if w is None else "sliding_attention"
+                 for w in self.layer_windows)
+
+  @property
   def mixed_windows(self) -> bool:
     """Whether layers differ in window: attention then picks its variant per layer."""
     return len(set(self.layer_windows)) > 1
