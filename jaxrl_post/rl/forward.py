@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.errors import UserError
 from jaxrl_post.kernels import ChunkedLogprobConfig, chunked_logprob
 from jaxrl_post.models import Transformer
 from jaxrl_post.models.layers import batch_shards
@@ -66,6 +67,9 @@ def completion_logprobs(model: Transformer, params: dict, inputs: PackedInputs,
     with_values: also return the critic's values [B, T] of the states that sampled each
       completion token (the model needs a value head).
   """
+  if model.config.final_logit_softcapping is not None:  # Static: refused while tracing.
+    raise UserError("training: final_logit_softcapping is not supported (the chunked "
+                    "logprob kernel computes uncapped logits; no Gemma 3 checkpoint sets it)")
   m, h, targets = head_states(model, params, inputs)
   lm_head = m.lm_head_weight().astype(h.dtype)
   logp, ent = head_logprobs(h, lm_head, targets, temperature, chunking)

@@ -19,6 +19,7 @@ import pytest
 from jaxrl_post import models
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig
+from jaxrl_post.models import layers as L
 from jaxrl_post.models.decode import generate_dense
 from jaxrl_post.models.hf import config_from_hf
 from jaxrl_post.models.hf_export import save_pretrained
@@ -178,6 +179,44 @@ def test_greedy_tokens_identical_to_transformers(name):
   out = generate_dense(model, prompts, max_new_tokens=16, temperature=0.0, stop_ids=())
   assert out.tokens == want["greedy"].tolist()
   assert max(len(p) for p in prompts) + 16 > 2 * model.config.sliding_window
+
+
+def test_long_rows_through_the_attention_kernel_pick_each_layers_window():
+  """Rows past plain_max_len take the packed-attention kernel (its window static): each
+  scanned layer runs the windowed or the full variant by its index (lax.cond)."""
+  model, _ = load("tiny_gemma3")
+  want = expected("tiny_gemma3")
+  ids = jnp.asarray(want["input_ids"])
+  pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+  kernel = dataclasses.replace(L.TrainingAttention().kernel, jnp_block=8)  # Several tiles.
+  attention = L.TrainingAttention(plain_max_len=8, kernel=kernel)
+  logits = np.asarray(model.logits(model(ids, pos, attention=attention)))
+  assert np.abs(logits - want["logits"]).max() <= LOGIT_TOL
+
+
+def test_gradients_flow_through_the_per_layer_choice_with_remat():
+  model, _ = load("tiny_gemma3")
+  model = with_params(init_model(model.config.replace(remat="dots")), params_of(model))
+  ids = jnp.asarray(expected("tiny_gemma3")["input_ids"])
+  pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+
+  def loss(params):
+    m = with_params(model, params)
+    return jnp.mean(jax.nn.log_softmax(m.logits(m(ids, pos)))[..., 3])
+
+  grads = jax.jit(jax.grad(loss))(params_of(model))
+  layers = grads["layers"]
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  for name in ("post_attn_norm", "post_mlp_norm", "q_norm", "wq"):
+    assert (np.abs(np.asarray(layers[name])).reshape(4, -1).max(axis=1) > 0).all(), name
+
+
+def test_training_refuses_final_logit_soft_capping():
+  """The chunked logprob kernel computes uncapped logits: the trainer says so."""
+  from jaxrl_post.rl.forward import completion_logprobs
+  model, _ = load("tiny_gemma3_softcap")
+  with pytest.raises(UserError, match="final_logit_softcapping"):
+    completion_logprobs(model, params_of(model), None)
 
 
 def test_chat_template_and_stop_ids_match_transformers():
