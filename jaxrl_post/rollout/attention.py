@@ -9,8 +9,8 @@ exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's pa
 
 Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
 pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
-sliding-window layers and soft-capped scores, which the kernel does not cover. Prefill
-stays plain jnp.
+sliding-window layers and soft-capped scores, which the kernel does not cover (a windowed
+layer gathers only the pages its window spans). Prefill stays plain jnp.
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -103,11 +103,30 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     if sliding_window is not None or logit_cap is not None:
       raise ValueError("the paged attention kernel has no sliding window or soft-capping")
     return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
-  k_pos = jnp.arange(page_table.shape[1] * k_pool.shape[3])[None, :]  # [1, S]
+  ps = k_pool.shape[3]
+  first = jnp.zeros((1,), jnp.int32)  # Page index of each row's first gathered page.
+  if sliding_window is not None:
+    page_table, first = _window_pages(page_table, lengths, sliding_window, ps)
+  k_pos = first[:, None] * ps + jnp.arange(page_table.shape[1] * ps)[None, :]  # [B or 1, S]
   valid = _window((k_pos < lengths[:, None])[:, None], (lengths - 1)[:, None], k_pos,
                   sliding_window)[:, 0]  # [B, S]
   out, _ = _head_major_attention(q, k_pool, v_pool, layer, page_table, valid, logit_cap)
   return out.astype(q.dtype)
+
+
+def _window_pages(page_table, lengths, sliding_window: int, page_size: int):
+  """([B, n] the pages a windowed query can see, [B] the index of the first in the table).
+
+  The query at position lengths - 1 sees keys from lengths - window on: at most
+  cdiv(window - 1, page_size) + 1 pages. Gathering only those keeps a sliding layer's
+  decode read at the window's size instead of the sequence's, and never touches pages a
+  sequence gave back behind its window.
+  """
+  m = page_table.shape[1]
+  n = min(-(-(sliding_window - 1) // page_size) + 1, m)
+  first = jnp.clip((lengths - sliding_window) // page_size, 0, m - n)  # [B]
+  index = first[:, None] + jnp.arange(n)[None, :]
+  return jnp.take_along_axis(page_table, index, axis=1), first
 
 
 def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
