@@ -8,10 +8,12 @@ Run it once after changing what the fixtures cover, and commit tests/fixtures/:
   python scripts/make_hf_fixtures.py --tiny tiny_qwen3 tiny_qwen3_tied   # just those
 
 Outputs:
-  tests/fixtures/hf/tiny_{llama,qwen2,mistral,qwen3,qwen3_tied,qwen3_moe}/   save_pretrained +
-                                                 tokenizer dirs
+  tests/fixtures/hf/tiny_{llama,qwen2,mistral,qwen3,qwen3_tied,qwen3_moe,gemma3,
+                         gemma3_softcap}/   save_pretrained model + tokenizer dirs
   tests/fixtures/hf/tiny_*/expected.npz          input ids and transformers' f32 logits,
                                                  16-token greedy continuations of 3 prompts
+                                                 (Gemma 3: also the chat-templated text and
+                                                 ids of CHAT_PROMPTS)
   tests/fixtures/smollm2_gguf_hf.npz             SmolLM2 GGUF: prompt ids, last-position
                                                  log-softmax, 32-token greedy continuations,
                                                  tokenizer ids for a string set
@@ -27,7 +29,7 @@ import pathlib
 import numpy as np
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -50,6 +52,56 @@ TOKENIZER_STRINGS = [
 # pre-tokenizer and falls back to the GPT-2 regex; SmolLM2 (and llama.cpp) isolate digits.
 DIGIT_WHITESPACE_STRINGS = ["a  1", "x   42 y", "\n\n3"]
 
+# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json): <bos> first, a system
+# turn folded into the first user turn, "model" as the assistant's role, trimmed content.
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+# Conversations whose templated ids the Gemma 3 fixtures store (a system turn, two turns).
+GEMMA3_CHATS = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS] + [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "3+3?"}]]
+
 
 def tiny_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
   tok = Tokenizer(models.BPE())
@@ -61,6 +113,44 @@ def tiny_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
   tok.train_from_iterator(corpus, trainer)
   return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
                                               eos_token="</s>", chat_template=CHAT_TEMPLATE)
+
+
+def gemma3_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+  """The tiny BPE with Gemma's special tokens, <bos> prepended, and Gemma 3's template."""
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=GEMMA3_SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator((TOKENIZER_STRINGS + PLAIN_PROMPTS + CHAT_PROMPTS) * 20, trainer)
+  tok.post_processor = processors.TemplateProcessing(
+      single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+      unk_token="<unk>", chat_template=GEMMA3_CHAT_TEMPLATE)
+
+
+def gemma3_configs(vocab: int) -> dict:
+  """Sliding and full layers with a window of 6 (well inside the 16-token continuations),
+  head_dim 32 != hidden / heads, query_pre_attn_scalar 24 != head_dim, linear RoPE scaling
+  on the global layers. The second is untied and soft-caps its logits; it also sets
+  attn_logit_softcapping, which transformers' Gemma 3 attention does not apply."""
+  common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                query_pre_attn_scalar=24, sliding_window=6, max_position_embeddings=256,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                             "sliding_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                    "rope_theta": 1000000.0},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 10000.0}},
+                rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=[1, 5])
+  return {
+      "tiny_gemma3": transformers.Gemma3TextConfig(**common, tie_word_embeddings=True),
+      "tiny_gemma3_softcap": transformers.Gemma3TextConfig(
+          **common, tie_word_embeddings=False, attn_logit_softcapping=2.0,
+          final_logit_softcapping=0.5),
+  }
 
 
 def tiny_configs(vocab: int) -> dict:
@@ -93,9 +183,12 @@ def write_tiny_models(names=None) -> None:
   tok = tiny_tokenizer(320)
   vocab = len(tok)
   rng = np.random.default_rng(0)
-  for i, (name, cfg) in enumerate(tiny_configs(vocab).items()):
+  gemma_tok = gemma3_tokenizer(320)
+  configs = {**tiny_configs(vocab), **gemma3_configs(len(gemma_tok))}
+  for i, (name, cfg) in enumerate(configs.items()):
+    is_gemma = name.startswith("tiny_gemma3")
     # Drawn for every fixture, so each gets the same ids whichever ones are written.
-    ids = rng.integers(0, vocab, size=(2, 20))
+    ids = rng.integers(0, vocab, size=(2, 20)) % cfg.vocab_size
     if names and name not in names:
       continue
     torch.manual_seed(i)
@@ -110,16 +203,27 @@ def write_tiny_models(names=None) -> None:
     out = FIXTURES / "hf" / name
     shard = "60KB" if name == "tiny_qwen2" else "50MB"  # qwen2 exercises the sharded index
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
-    tok.save_pretrained(out)
+    model_tok = gemma_tok if is_gemma else tok
+    model_tok.save_pretrained(out)
     with torch.no_grad():
       logits = model(torch.tensor(ids)).logits.float().numpy()
-    token_ids = [tok.encode(s) for s in TOKENIZER_STRINGS]
-    prompts = [tok.encode(p) for p in PLAIN_PROMPTS[:3]]
+    token_ids = [model_tok.encode(s) for s in TOKENIZER_STRINGS]
+    prompts = [model_tok.encode(p) for p in PLAIN_PROMPTS[:3]]
     conts = [greedy(model, p, 16) for p in prompts]
+    extra = gemma3_chats(model_tok) if is_gemma else {}
     np.savez_compressed(out / "expected.npz", input_ids=ids, logits=logits,
                         token_ids=np.array(json.dumps(token_ids)),
-                        greedy_prompts=np.array(json.dumps(prompts)), greedy=np.array(conts))
+                        greedy_prompts=np.array(json.dumps(prompts)), greedy=np.array(conts),
+                        **extra)
     print(name, "written", logits.shape)
+
+
+def gemma3_chats(tok) -> dict:
+  texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+           for m in GEMMA3_CHATS]
+  ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+  return dict(chats=np.array(json.dumps(GEMMA3_CHATS)), chat_texts=np.array(json.dumps(texts)),
+              chat_ids=np.array(json.dumps(ids)))
 
 
 def greedy(model, ids: list[int], steps: int) -> list[int]:

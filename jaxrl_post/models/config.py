@@ -10,6 +10,8 @@ from jaxrl_post.errors import UserError
 # Activation-checkpointing policies for the scanned layer (see transformer.remat_policy).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "factors")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's layer_types names.
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama family), GeGLU (Gemma).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,7 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Qwen3 dense, Mistral, SmolLM2).
+  """Decoder-only transformer (Llama 2/3, Qwen2/2.5, Qwen3 dense, Mistral, SmolLM2, Gemma 3).
 
   Attributes mirror Hugging Face's config.json names where one exists, so a reader can
   check a preset against the model card.
@@ -108,6 +110,17 @@ class ModelConfig:
   lora: Optional[LoraConfig] = None
   value_head: bool = False  # A scalar value per position, for PPO's critic.
   moe: Optional[MoeConfig] = None  # Experts in place of the dense MLP in every layer.
+  # Gemma 3. layer_types None: every layer uses sliding_window (None: full attention);
+  # else one entry per layer, and only "sliding_attention" layers use the window.
+  layer_types: Optional[tuple[str, ...]] = None
+  rope_local_base_freq: Optional[float] = None  # RoPE base of sliding layers (no scaling).
+  norm_plus_one: bool = False  # RMSNorm scales by (1 + w), in float32.
+  sandwich_norms: bool = False  # Also norms on the attention and MLP outputs.
+  scale_embeddings: bool = False  # Embeddings times sqrt(hidden_size).
+  query_pre_attn_scalar: Optional[float] = None  # Scores scale 1/sqrt(this); None: head_dim.
+  mlp_activation: str = "silu"
+  attn_logit_softcapping: Optional[float] = None  # cap * tanh(score / cap)
+  final_logit_softcapping: Optional[float] = None
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -134,6 +147,51 @@ class ModelConfig:
       if mlp:
         raise UserError(f"model config: LoRA targets {mlp} name the dense MLP, which a "
                         "mixture-of-experts model does not have")
+    self._check_gemma_fields()
+
+  def _check_gemma_fields(self):
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise UserError(f"model config: mlp_activation={self.mlp_activation!r} is not one of "
+                      f"{MLP_ACTIVATIONS}")
+    for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
+                 "final_logit_softcapping", "sliding_window"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not value > 0):
+        raise UserError(f"model config: {name} must be positive or None, got {value!r}")
+    if self.layer_types is None:
+      return
+    if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+      raise UserError(f"model config: layer_types must be a tuple of num_layers="
+                      f"{self.num_layers} entries, got {self.layer_types!r}")
+    unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+    if unknown:
+      raise UserError(f"model config: layer_types {unknown} not in {LAYER_TYPES}")
+    if "sliding_attention" in self.layer_types and self.sliding_window is None:
+      raise UserError("model config: layer_types has sliding_attention layers but "
+                      "sliding_window is None")
+
+  @property
+  def layer_windows(self) -> tuple[Optional[int], ...]:
+    """Each layer's attention window (None: the whole causal prefix)."""
+    if self.layer_types is None:
+      return (self.sliding_window,) * self.num_layers
+    return tuple(self.sliding_window if t == "sliding_attention" else None
+                 for t in self.layer_types)
+
+  @property
+  def layer_windows_types(self) -> tuple[str, ...]:
+    """layer_windows in Hugging Face's layer_types names."""
+    return tuple("full_attention" if w is None else "sliding_attention"
+                 for w in self.layer_windows)
+
+  @property
+  def mixed_windows(self) -> bool:
+    """Whether layers differ in window: attention then picks its variant per layer."""
+    return len(set(self.layer_windows)) > 1
+
+  @property
+  def any_window(self) -> bool:
+    return any(w is not None for w in self.layer_windows)
 
   @property
   def num_params(self) -> int:
@@ -149,7 +207,7 @@ class ModelConfig:
     mlp = 3 * d * f
     if self.moe is not None:
       mlp = self.moe.num_experts * (3 * d * self.moe.intermediate_size + d)
-    layer = attn + mlp + 2 * d
+    layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
     value = d + 1 if self.value_head else 0
     return self.num_layers * layer + self.vocab_size * d + d + head + value

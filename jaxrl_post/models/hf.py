@@ -15,8 +15,19 @@ from jaxrl_post.models.config import ModelConfig, MoeConfig, RopeScaling
 from jaxrl_post.models.transformer import Transformer
 from jaxrl_post.models.weights import model_from_tensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral",
+                         "gemma3_text", "gemma3")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config (and
+# some text ones) leave out every field that has its default.
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+}
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -99,7 +110,7 @@ def _config_fields(c: dict[str, Any], model_type: str, path: str) -> dict[str, A
     head_dim = get("head_dim")
   else:
     head_dim = get("head_dim", int, hidden // max(heads, 1))
-  return dict(
+  fields = dict(
       vocab_size=get("vocab_size"), hidden_size=hidden,
       intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
       num_heads=heads, num_kv_heads=get("num_key_value_heads", int, heads), head_dim=head_dim,
@@ -110,6 +121,9 @@ def _config_fields(c: dict[str, Any], model_type: str, path: str) -> dict[str, A
       sliding_window=_sliding_window(c, model_type, path),
       max_position_embeddings=get("max_position_embeddings", int, 4096),
       moe=_moe(c, model_type, path) if model_type in MOE_MODEL_TYPES else None)
+  if model_type == "gemma3_text":
+    fields.update(_gemma3_fields(c, path))
+  return fields
 
 
 def _moe(c: dict[str, Any], model_type: str, path: str) -> MoeConfig:
@@ -131,13 +145,70 @@ def _moe(c: dict[str, Any], model_type: str, path: str) -> MoeConfig:
                    norm_topk_prob=get("norm_topk_prob", bool, False))
 
 
+def _gemma3_text(c: dict[str, Any], path: str) -> dict[str, Any]:
+  """The text model's config.json fields of a gemma3 (multimodal) or gemma3_text file."""
+  if c.get("model_type") == "gemma3":
+    text = c.get("text_config")
+    if not isinstance(text, dict):
+      raise UserError(f"{path}: model_type 'gemma3' needs a 'text_config' object")
+    tied = {"tie_word_embeddings": c["tie_word_embeddings"]} \
+        if "tie_word_embeddings" in c else {}
+    c = {**text, **tied, "model_type": "gemma3_text"}
+  return {**GEMMA3_DEFAULTS, **c}
+
+
+def _gemma3_rope(c: dict[str, Any], path: str) -> dict[str, Any]:
+  """Global RoPE (theta + scaling) and the sliding layers' base, from either form:
+  transformers 5's rope_parameters per layer type, or rope_theta + rope_scaling +
+  rope_local_base_freq."""
+  params = c.get("rope_parameters") or {}
+  if "full_attention" in params or "sliding_attention" in params:
+    full = {"rope_theta": GEMMA3_DEFAULTS["rope_theta"], **(params.get("full_attention") or {})}
+    local = {"rope_theta": GEMMA3_DEFAULTS["rope_local_base_freq"],
+             **(params.get("sliding_attention") or {})}
+    theta, scaling = _rope({"rope_parameters": full}, path)
+    local_theta, local_scaling = _rope({"rope_parameters": local}, path)
+    if local_scaling.kind != "none":
+      raise UserError(f"{path}: RoPE scaling on the sliding-window layers is not supported")
+  else:
+    theta, scaling = _rope({k: v for k, v in c.items() if k != "rope_parameters"}, path)
+    local_theta = float(c["rope_local_base_freq"])
+  return dict(rope_theta=theta, rope_scaling=scaling, rope_local_base_freq=local_theta)
+
+
+def _gemma3_fields(c: dict[str, Any], path: str) -> dict[str, Any]:
+  """The Gemma 3 architecture's ModelConfig fields (c has GEMMA3_DEFAULTS filled in)."""
+  act = c["hidden_activation"]
+  if act != "gelu_pytorch_tanh":
+    raise UserError(f"{path}: hidden_activation {act!r} is not supported "
+                    "(only gelu_pytorch_tanh)")
+  if c.get("use_bidirectional_attention"):
+    raise UserError(f"{path}: use_bidirectional_attention=true is not supported (decoder only)")
+  n = int(c["num_hidden_layers"])
+  pattern = int(c["sliding_window_pattern"])
+  kinds = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                   "full_attention" for i in range(n)]
+  if not isinstance(kinds, list):
+    raise UserError(f"{path}: field 'layer_types' has an invalid value {kinds!r}")
+  # transformers' Gemma 3 attention never applies attn_logit_softcapping (q/k norms took
+  # its place after Gemma 2), so the field is read as absent to give the same logits.
+  caps = {"final_logit_softcapping": _field(c, "final_logit_softcapping", float, path, None)}
+  return dict(
+      qk_norm=True, norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+      mlp_activation="gelu_tanh", layer_types=tuple(kinds),
+      query_pre_attn_scalar=_field(c, "query_pre_attn_scalar", float, path),
+      **_gemma3_rope(c, path), **caps)
+
+
 def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
   """ModelConfig from a parsed config.json; `path` names the file in errors."""
   model_type = c.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise UserError(f"{path}: model_type {model_type!r} is not supported "
                     f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-  if c.get("hidden_act", "silu") != "silu":
+  if model_type in ("gemma3", "gemma3_text"):  # Its activation is hidden_activation.
+    c, model_type = _gemma3_text(c, path), "gemma3_text"
+  elif c.get("hidden_act", "silu") != "silu":
     raise UserError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
   if c.get("mlp_bias"):
     raise UserError(f"{path}: mlp_bias=true is not supported")
@@ -152,6 +223,17 @@ def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
     raise UserError(f"{path}: missing field {e.args[0]!r}") from None
   except (TypeError, ValueError) as e:
     raise UserError(f"{path}: invalid value ({e})") from None
+
+
+def _text_model_reader(reader: "_SafetensorsReader"):
+  """get(name) for model_from_tensors: a gemma3 (multimodal) checkpoint keeps its text
+  model under a prefix (transformers >= 4.52 and older spellings); plain names otherwise."""
+  for prefix, head in (("model.language_model.", "lm_head.weight"),
+                       ("language_model.model.", "language_model.lm_head.weight")):
+    if prefix + "embed_tokens.weight" in reader.files:
+      return lambda name: reader(head if name == "lm_head.weight" else
+                                 prefix + name.removeprefix("model."))
+  return reader
 
 
 def _weight_files(model_dir: str) -> dict[str, str]:
@@ -205,12 +287,12 @@ class _SafetensorsReader:
 
 
 def load_hf_model(model_dir: str, **overrides) -> Transformer:
-  """Loads a Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE/Mixtral checkpoint directory; overrides
-  go to ModelConfig."""
+  """Loads a Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE/Mixtral/Gemma 3 checkpoint directory;
+  overrides go to ModelConfig."""
   cfg_path = os.path.join(model_dir, "config.json")
   cfg = config_from_hf(read_json(cfg_path), cfg_path, **overrides)
   reader = _SafetensorsReader(model_dir)
   try:
-    return model_from_tensors(cfg, reader, model_dir)
+    return model_from_tensors(cfg, _text_model_reader(reader), model_dir)
   finally:
     reader.close()

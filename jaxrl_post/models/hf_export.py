@@ -25,7 +25,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.tokenizer import Tokenizer
 from jaxrl_post.models.transformer import layer_param_shapes
-from jaxrl_post.models.weights import expert_name, moe_prefix
+from jaxrl_post.models.weights import expert_name, moe_prefix, sandwich_norm_names
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -71,6 +71,7 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     raise ValueError("merge_lora first: Hugging Face checkpoints hold no adapters")
   host = lambda x: np.asarray(x, np.float32)
   out: dict[str, np.ndarray] = {}
+  hf_names = {**_LAYER_NAMES, **sandwich_norm_names(cfg)}
   for name in layer_param_shapes(cfg):
     stacked = host(params["layers"][name])  # [L, ...]
     for i in range(cfg.num_layers):
@@ -81,7 +82,7 @@ def hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         for e, w in enumerate(stacked[i]):
           out[pre + expert_name(cfg, name, e)] = np.ascontiguousarray(w.T)
       else:
-        out[pre + _LAYER_NAMES[name]] = _to_hf_layout(name, stacked[i])
+        out[pre + hf_names[name]] = _to_hf_layout(name, stacked[i])
   out["model.embed_tokens.weight"] = host(params["embed"])  # [V, D] in both.
   out["model.norm.weight"] = host(params["final_norm"])
   if not cfg.tie_word_embeddings:
@@ -101,6 +102,8 @@ def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int],
               dtype: str = "float32") -> dict[str, Any]:
   """config.json for transformers (and config_from_hf, which reads it back)."""
   model_type = _model_type(cfg)
+  if model_type == "gemma3_text":
+    return _gemma3_config(cfg, bos_id, eos_id, dtype)
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
@@ -143,7 +146,58 @@ def _moe_fields(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
 
 
+# Gemma 3's fixed architecture traits, which no other exported type has.
+_GEMMA3_TRAITS = {"qk_norm": True, "norm_plus_one": True, "sandwich_norms": True,
+                  "scale_embeddings": True, "mlp_activation": "gelu_tanh"}
+
+
+def _gemma3_config(cfg: ModelConfig, bos_id, eos_id, dtype: str) -> dict[str, Any]:
+  """config.json of a Gemma3ForCausalLM (transformers' Gemma3TextConfig fields)."""
+  if cfg.attn_logit_softcapping is not None:
+    raise UserError("export: transformers' Gemma 3 does not soft-cap attention scores, so "
+                    "a model with attn_logit_softcapping has no Hugging Face form")
+  if cfg.qkv_bias != cfg.o_bias:
+    raise UserError("export: Gemma 3's attention_bias sets Q/K/V and output biases together")
+  if cfg.rope_local_base_freq is None and cfg.rope_scaling.kind != "none" and cfg.any_window:
+    raise UserError("export: Gemma 3's sliding layers have unscaled RoPE; set "
+                    "rope_local_base_freq")
+  c: dict[str, Any] = {
+      "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_activation": "gelu_pytorch_tanh",
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
+      "torch_dtype": dtype, "bos_token_id": bos_id, "eos_token_id": eos_id,
+      "use_cache": True, "attention_dropout": 0.0, "attention_bias": cfg.qkv_bias,
+      "query_pre_attn_scalar": _whole(cfg.query_pre_attn_scalar or cfg.head_dim),
+      "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_windows_types),
+      "rope_local_base_freq": cfg.rope_local_base_freq or cfg.rope_theta,
+      "final_logit_softcapping": cfg.final_logit_softcapping,
+      "attn_logit_softcapping": None,
+  }
+  c.update(_rope_fields(cfg))
+  return c
+
+
+def _whole(x: float):
+  """x as an int when it is one: transformers' config classes type-check int fields."""
+  return int(x) if float(x).is_integer() else x
+
+
 def _model_type(cfg: ModelConfig) -> str:
+  gemma = [getattr(cfg, k) == v for k, v in _GEMMA3_TRAITS.items()]
+  if all(gemma):
+    return "gemma3_text"
+  if any(gemma[1:]):  # Gemma traits without the whole set (q/k norms alone are Qwen3's).
+    raise UserError(f"export: only the full Gemma 3 set of {sorted(_GEMMA3_TRAITS)} has a "
+                    "Hugging Face architecture, not a part of it")
+  if cfg.layer_types is not None or cfg.rope_local_base_freq is not None or \
+      cfg.query_pre_attn_scalar not in (None, cfg.head_dim) or \
+      cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None:
+    raise UserError("export: per-layer windows, a local RoPE base, query_pre_attn_scalar and "
+                    "soft-capping have a Hugging Face form only in Gemma 3")
   if cfg.moe is not None:  # Qwen3-MoE has q/k norms, Mixtral none (see weights.moe_prefix).
     if cfg.qkv_bias or cfg.o_bias:
       raise UserError("export: a mixture-of-experts model with attention biases has no "

@@ -27,17 +27,29 @@ from jaxrl_post.sharding import active_rules, logical_to_spec, target_platform
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def rms_norm(x, weight, eps: float):  # [..., D], [D] -> [..., D]
-  """RMSNorm computed in float32 (as Hugging Face does), returned in x's dtype."""
+def rms_norm(x, weight, eps: float, plus_one: bool = False):  # [..., D], [D] -> [..., D]
+  """RMSNorm computed in float32 (as Hugging Face does), returned in x's dtype.
+
+  plus_one: Gemma's form, scaling by (1 + w) in float32 before the cast back (Llama's
+  casts first, then scales by w in x's dtype); the two differ only below float32.
+  """
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
   return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2]
-  """Inverse RoPE frequencies, including linear and Llama 3 scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:  # [head_dim // 2]
+  """Inverse RoPE frequencies, including linear and Llama 3 scaling.
+
+  local: those of Gemma 3's sliding-window layers, rope_local_base_freq without scaling.
+  """
   hd = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  theta = cfg.rope_local_base_freq if local else cfg.rope_theta
+  inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if local:
+    return inv_freq.astype(np.float32)
   s = cfg.rope_scaling
   if s.kind == "factors":
     inv_freq = inv_freq / np.asarray(s.factors, np.float64)
@@ -66,7 +78,12 @@ def apply_rope(x, positions, inv_freq):  # [B, T, H, D], [B, T], [D/2] -> [B, T,
   return x * cos + rotated * sin
 
 
-def attention(q, k, v, mask):
+def softcap(x, cap: Optional[float]):
+  """cap * tanh(x / cap) (Gemma's soft-capping of scores or logits); None: x."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def attention(q, k, v, mask, logit_cap: Optional[float] = None):
   """Masked grouped-query attention, softmax in float32.
 
   Args:
@@ -74,6 +91,7 @@ def attention(q, k, v, mask):
     k: [B, S, Hkv, D] keys; Hq is a multiple of Hkv.
     v: [B, S, Hkv, D] values.
     mask: [B, T, S] True where query t may attend to key s.
+    logit_cap: soft-capping of the scaled scores (attn_logit_softcapping), or None.
 
   Returns:
     [B, T, Hq, D] in q's dtype.
@@ -82,7 +100,7 @@ def attention(q, k, v, mask):
   hkv = k.shape[2]
   qg = q.reshape(b, t, hkv, hq // hkv, d)
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(d)
+  scores = softcap(scores / math.sqrt(d), logit_cap)
   scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
@@ -131,16 +149,19 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
-                        config: TrainingAttention = TrainingAttention()) -> Attend:
+                        config: TrainingAttention = TrainingAttention(),
+                        logit_cap: Optional[float] = None) -> Attend:
   """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D]) -> [B, S, Hq, D] for one packed batch.
 
   Chosen once per forward so the plain path's mask is built once for every layer. Every
   path gives 0 at padding queries (segment id 0): they attend to nothing. The kernels
   measure the sliding window in row tokens, which is the position distance the plain
   path uses wherever positions count up from each segment's start (as packing makes them).
+  The kernels have no score soft-capping, so a capped model (Gemma 2 style; no Gemma 3
+  checkpoint sets it) takes the plain path at every length.
   """
-  if segment_ids.shape[1] <= config.plain_max_len:
-    return _plain_packed(segment_ids, positions, sliding_window)
+  if segment_ids.shape[1] <= config.plain_max_len or logit_cap is not None:
+    return _plain_packed(segment_ids, positions, sliding_window, logit_cap)
   kernel = config.kernel
   if kernel.backend is None:  # By the devices traced for, not the host (sharding.platform).
     platform = target_platform()
@@ -153,10 +174,33 @@ def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
   return lambda q, k, v: _per_device(fn, q, k, v, segment_ids)
 
 
-def _plain_packed(segment_ids, positions, sliding_window) -> Attend:
+def _plain_packed(segment_ids, positions, sliding_window, logit_cap=None) -> Attend:
   mask = packed_mask(segment_ids, positions, sliding_window)  # [B, S, S]
   real = (segment_ids != 0)[:, :, None, None]
-  return lambda q, k, v: jnp.where(real, attention(q, k, v, mask), 0).astype(q.dtype)
+  return lambda q, k, v: jnp.where(real, attention(q, k, v, mask, logit_cap),
+                                   0).astype(q.dtype)
+
+
+def per_layer(cfg: ModelConfig, make: Callable[[Optional[int]], Callable]) -> Callable:
+  """fn(layer, *args) -> make(that layer's window)(*args), for the scanned layer loop.
+
+  The window is static in every attention path (kernels take it as a compile-time
+  argument), so a model with windowed and full layers (Gemma 3) builds both variants once
+  and each scanned layer picks its own with lax.cond on a per-layer flag: one variant is
+  run per layer, and the scan body stays one program.
+  """
+  windows = cfg.layer_windows
+  if not cfg.mixed_windows:
+    fn = make(windows[0])
+    return lambda layer, *args: fn(*args)
+  local, full = make(cfg.sliding_window), make(None)
+  is_local = np.asarray([w is not None for w in windows])
+  return lambda layer, *args: jax.lax.cond(jnp.asarray(is_local)[layer], local, full, *args)
+
+
+def layer_is_local(cfg: ModelConfig, layer):  # scalar int (traced) -> scalar bool
+  """Whether `layer` is a sliding-window layer (for choices that are data, like RoPE)."""
+  return jnp.asarray(np.asarray([w is not None for w in cfg.layer_windows]))[layer]
 
 
 # ----------------------------------------------------------------------------- sharding

@@ -13,6 +13,14 @@ import os
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig, RopeScaling
 
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+  """Gemma 3's interleaving: every `pattern`-th layer global, the others sliding-window."""
+  return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+               for i in range(num_layers))
+
+
 PRESETS: dict[str, ModelConfig] = {
     # A few-layer model for CPU tests and the quickstart.
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2,
@@ -36,6 +44,15 @@ PRESETS: dict[str, ModelConfig] = {
                                rope_theta=500000.0, tie_word_embeddings=True,
                                rope_scaling=RopeScaling("llama3", factor=32.0),
                                max_position_embeddings=131072),
+    # google/gemma-3-1b: 5 sliding-window (512) layers per global one, head_dim 256.
+    "gemma3-1b": ModelConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                             num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256,
+                             rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                             sliding_window=512, layer_types=gemma3_layer_types(26),
+                             rms_norm_eps=1e-6, qk_norm=True, norm_plus_one=True,
+                             sandwich_norms=True, scale_embeddings=True,
+                             query_pre_attn_scalar=256.0, mlp_activation="gelu_tanh",
+                             tie_word_embeddings=True, max_position_embeddings=32768),
     "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                              rope_theta=500000.0, max_position_embeddings=8192),

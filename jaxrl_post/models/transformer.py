@@ -16,6 +16,7 @@ work; elsewhere the constraints do nothing.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -80,6 +81,9 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
   if cfg.qk_norm:  # One [hd] scale shared by every head: small, so left replicated.
     shapes["q_norm"] = ((hd,), ("head_dim",))
     shapes["k_norm"] = ((hd,), ("head_dim",))
+  if cfg.sandwich_norms:  # Gemma's norms on the attention and MLP outputs.
+    shapes["post_attn_norm"] = ((d,), ("embed",))
+    shapes["post_mlp_norm"] = ((d,), ("embed",))
   return shapes
 
 
@@ -96,10 +100,12 @@ def lora_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
   return shapes
 
 
-def _init_value(name, shape, key, dtype):
+def _init_value(name, shape, key, dtype, norm_plus_one=False):
   if name.endswith("norm") or name.startswith("b") or name.endswith("lora_b"):
-    # Norms start at one; biases and LoRA B at zero (so an adapter starts as a no-op).
-    return (jnp.ones if name.endswith("norm") else jnp.zeros)(shape, dtype)
+    # Norms start as the identity (w = 1, or 0 where they scale by 1 + w); biases and
+    # LoRA B at zero (so an adapter starts as a no-op).
+    one = name.endswith("norm") and not norm_plus_one
+    return (jnp.ones if one else jnp.zeros)(shape, dtype)
   return 0.02 * jax.random.normal(key, shape, dtype)
 
 
@@ -111,7 +117,8 @@ class DecoderLayers(nnx.Module):
     base, lora = layer_param_shapes(cfg), lora_param_shapes(cfg)
     self.names = tuple(base) + tuple(lora)
     for name, (shape, axes) in {**base, **lora}.items():
-      value = _init_value(name, (cfg.num_layers, *shape), rngs.params(), dtype)
+      value = _init_value(name, (cfg.num_layers, *shape), rngs.params(), dtype,
+                          cfg.norm_plus_one)
       kind = nnx.LoRAParam if name in lora else nnx.Param
       setattr(self, name, kind(value, logical_axes=("layers", *axes)))
 
@@ -135,8 +142,10 @@ class KVCache(NamedTuple):
 class Transformer(nnx.Module):
   """Llama-family decoder: GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings.
 
-  Architecture details (Q/K/V and output biases, Qwen3's q/k norms, a sliding window) are
-  config flags that add parameters to the stacked layers; see layer_param_shapes.
+  Architecture details (Q/K/V and output biases, Qwen3's q/k norms, a sliding window,
+  Gemma 3's extra norms) are config flags that add parameters to the stacked layers; see
+  layer_param_shapes. Per-layer differences (Gemma 3's window and RoPE base) are data the
+  layer scan carries: each layer gets its index and picks its variant (layers.per_layer).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -146,7 +155,8 @@ class Transformer(nnx.Module):
     self.embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (v, d), dtype),
                            logical_axes=("vocab", "embed"))
     self.layers = DecoderLayers(cfg, rngs=rngs)
-    self.final_norm = nnx.Param(jnp.ones((d,), dtype), logical_axes=("embed",))
+    self.final_norm = nnx.Param(_init_value("final_norm", (d,), None, dtype, cfg.norm_plus_one),
+                                logical_axes=("embed",))
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d, v), dtype),
                                logical_axes=("embed", "vocab"))
@@ -177,19 +187,21 @@ class Transformer(nnx.Module):
     cfg = self.config
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
-    attend = L.packed_attention_fn(segment_ids, positions, cfg.sliding_window, attention)
+    attend = L.per_layer(cfg, lambda window: L.packed_attention_fn(
+        segment_ids, positions, window, attention, cfg.attn_logit_softcapping))
     x = constrain(self.embed_tokens(tokens), _RESIDUAL)
     valid = segment_ids != 0
 
-    def body(x, layer):
-      p, rec = layer
-      q, k, v = qkv_projection(cfg, x, p, positions)
-      return post_attention(cfg, x, p, attend(q, k, v), rec, valid, replay)
+    def body(x, layer_in):
+      p, layer, rec = layer_in
+      q, k, v = qkv_projection(cfg, x, p, positions, layer)
+      return post_attention(cfg, x, p, attend(layer, q, k, v), rec, valid, replay)
 
     body = _maybe_remat(body, cfg.remat)
-    layers = (self.layers.stacked(), moe.recorded_layers(recorded, cfg.num_layers))
+    layers = (self.layers.stacked(), layer_ids(cfg),
+              moe.recorded_layers(recorded, cfg.num_layers))
     x, routing = jax.lax.scan(body, x, layers)
-    return constrain(L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), _RESIDUAL), routing
+    return constrain(self.final_rms_norm(x), _RESIDUAL), routing
 
   def forward_cached(self, tokens, positions, cache: KVCache, write_start):
     """Forward that writes this chunk's K/V into `cache` at `write_start` per row.
@@ -204,16 +216,22 @@ class Transformer(nnx.Module):
       (hidden [B, T, D], updated cache).
     """
     cfg = self.config
-    mask = L.cache_mask(positions, cache.k.shape[2], cfg.sliding_window)
+    attend = L.per_layer(cfg, lambda window: _cache_attention(
+        cfg, L.cache_mask(positions, cache.k.shape[2], window)))
     x = self.embed_tokens(tokens)
 
-    def body(x, layer):
-      p, ck, cv = layer
-      (x, _), ck, cv = _layer_cached(cfg, x, p, positions, mask, ck, cv, write_start)
+    def body(x, layer_in):
+      p, ck, cv, layer = layer_in
+      (x, _), ck, cv = _layer_cached(cfg, x, p, positions, layer, attend, ck, cv, write_start)
       return x, (ck, cv)
 
-    x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), cache.k, cache.v))
-    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k, v)
+    x, (k, v) = jax.lax.scan(body, x, (self.layers.stacked(), cache.k, cache.v,
+                                       layer_ids(cfg)))
+    return self.final_rms_norm(x), KVCache(k, v)
+
+  def final_rms_norm(self, x):  # [..., D] -> [..., D]
+    cfg = self.config
+    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_plus_one)
 
   def lm_head_weight(self):  # -> [D, V]
     """The output projection, transposed embeddings when tied."""
@@ -223,7 +241,8 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden):  # [..., D] -> [..., V] float32
     w = self.lm_head_weight().astype(hidden.dtype)
-    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return L.softcap(logits, self.config.final_logit_softcapping)
 
   def values(self, hidden):  # [..., D] -> [...] float32
     """The critic's value of each position's state (PPO); needs cfg.value_head."""
@@ -231,7 +250,11 @@ class Transformer(nnx.Module):
     return hidden.astype(jnp.float32) @ w + self.value_b[...].astype(jnp.float32)
 
   def embed_tokens(self, tokens):  # [B, T] -> [B, T, D] in the compute dtype
-    return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+    cfg = self.config
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    if cfg.scale_embeddings:  # Gemma: the factor rounded to the compute dtype, as HF does.
+      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    return x
 
 
 def _maybe_remat(fn, policy: str):
@@ -258,29 +281,59 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
   return y.reshape(lead + y.shape[1:])
 
 
-def qkv_projection(cfg: ModelConfig, x, p, positions):  # [B, T, D] -> 3 x [B, T, H, hd]
+def _norm(cfg: ModelConfig, x, w):
+  return L.rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+
+def layer_ids(cfg: ModelConfig):  # [L] int32, scanned beside the stacked parameters
+  return jnp.arange(cfg.num_layers, dtype=jnp.int32)
+
+
+def _rope_inv_freq(cfg: ModelConfig, layer):  # -> [hd / 2]
+  """The layer's RoPE frequencies: Gemma 3's sliding layers have a base of their own."""
+  full = jnp.asarray(L.rope_inv_freq(cfg))
+  if cfg.rope_local_base_freq is None or not cfg.any_window:
+    return full
+  local = jnp.asarray(L.rope_inv_freq(cfg, local=True))
+  if not cfg.mixed_windows:
+    return local
+  if layer is None:
+    raise ValueError("a model with windowed and full layers needs the layer index")
+  return jnp.where(L.layer_is_local(cfg, layer), local, full)
+
+
+def qkv_projection(cfg: ModelConfig, x, p, positions, layer=None):  # -> 3 x [B, T, H, hd]
   """Pre-norm, Q/K/V projections (with biases, LoRA and Qwen3's q/k norms) and RoPE.
 
   Every forward (training, dense cache, the rollout's paged one) gets its keys here, so
-  the cached K are normed and rotated the same way wherever they are written.
+  the cached K are normed and rotated the same way wherever they are written. `layer`
+  (scalar int, traced) picks per-layer RoPE where layers differ (Gemma 3).
+
+  Queries leave here pre-scaled by sqrt(head_dim / query_pre_attn_scalar): every
+  attention path (plain, paged, kernels) divides scores by sqrt(head_dim), so this gives
+  Gemma's 1 / sqrt(query_pre_attn_scalar) without a scale argument in each of them.
   """
   dt = x.dtype
-  h = L.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+  h = _norm(cfg, x, p["attn_norm"])
   q, k, v = (_dense(cfg, h, p, name) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if cfg.qk_norm:  # Per head over head_dim, before RoPE (as transformers' Qwen3 does).
-    q = L.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = L.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  inv_freq = jnp.asarray(L.rope_inv_freq(cfg))
+    q = _norm(cfg, q, p["q_norm"])
+    k = _norm(cfg, k, p["k_norm"])
+  inv_freq = _rope_inv_freq(cfg, layer)
   q, k = L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq)
+  if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+    q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), dt)
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
 def post_attention(cfg: ModelConfig, x, p, attn, recorded=None, valid=None,
                    replay: bool = True):
-  """Output projection + residual, then the feed-forward block + residual.
+  """Output projection + residual, then the feed-forward block + residual: the gated MLP
+  (SwiGLU or GeGLU) or the mixture of experts.
 
+  With sandwich_norms (Gemma) each block's output is normed before its residual add.
   x [B, T, D], attn [B, T, Hq, hd] -> (x [B, T, D], moe.Routing or None for a dense MLP).
   recorded [B, T, k], valid [B, T] and replay reach the MoE block (see moe.moe_block).
   """
@@ -288,14 +341,23 @@ def post_attention(cfg: ModelConfig, x, p, attn, recorded=None, valid=None,
   out = _dense(cfg, constrain(attn, _HEADS), p, "wo")
   if cfg.o_bias:
     out = out + p["bo"].astype(dt)
+  if cfg.sandwich_norms:
+    out = _norm(cfg, out, p["post_attn_norm"])
   x = constrain(x + out, _RESIDUAL)
-  h = L.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+  h = _norm(cfg, x, p["mlp_norm"])
   if cfg.moe is not None:
     out, routing = moe.moe_block(cfg, h, p, recorded, valid, replay)
-    return constrain(x + out, _RESIDUAL), routing
-  gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
-  hidden = constrain(jax.nn.silu(gate) * up, _MLP)
-  return constrain(x + _dense(cfg, hidden, p, "w_down"), _RESIDUAL), None
+  else:
+    gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
+    hidden = constrain(_ACTIVATIONS[cfg.mlp_activation](gate) * up, _MLP)
+    out, routing = _dense(cfg, hidden, p, "w_down"), None
+  if cfg.sandwich_norms:
+    out = _norm(cfg, out, p["post_mlp_norm"])
+  return constrain(x + out, _RESIDUAL), routing
+
+
+# gelu_tanh is transformers' gelu_pytorch_tanh (Gemma's hidden_activation).
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]
@@ -303,11 +365,15 @@ def _write(cache, new, start):  # [B, S, H, D], [B, T, H, D], [B]
   return jax.vmap(write_row)(cache, new, start)
 
 
-def _layer_cached(cfg: ModelConfig, x, p, positions, mask, ck, cv, start):
-  q, k, v = qkv_projection(cfg, x, p, positions)
+def _cache_attention(cfg: ModelConfig, mask):
+  return lambda q, ck, cv: L.attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask,
+                                       cfg.attn_logit_softcapping)
+
+
+def _layer_cached(cfg: ModelConfig, x, p, positions, layer, attend, ck, cv, start):
+  q, k, v = qkv_projection(cfg, x, p, positions, layer)
   ck, cv = _write(ck, k, start), _write(cv, v, start)
-  attn = L.attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
-  return post_attention(cfg, x, p, attn), ck, cv
+  return post_attention(cfg, x, p, attend(layer, q, ck, cv)), ck, cv
 
 
 def init_lora(model: Transformer, seed: int = 0) -> None:
@@ -315,7 +381,8 @@ def init_lora(model: Transformer, seed: int = 0) -> None:
   cfg = model.config
   for i, (name, (shape, _)) in enumerate(lora_param_shapes(cfg).items()):
     key = jax.random.fold_in(jax.random.key(seed), i)
-    value = _init_value(name, (cfg.num_layers, *shape), key, jnp.dtype(cfg.param_dtype))
+    value = _init_value(name, (cfg.num_layers, *shape), key, jnp.dtype(cfg.param_dtype),
+                        cfg.norm_plus_one)
     getattr(model.layers, name).set_value(value)
 
 

@@ -55,6 +55,7 @@ def _layer_tensors(cfg: ModelConfig, get: GetTensor, i: int, source: str) -> dic
       "q_norm": ("self_attn.q_norm.weight", (hd,)),
       "k_norm": ("self_attn.k_norm.weight", (hd,)),
   }
+  spec.update({ours: (hf, (d,)) for ours, hf in sandwich_norm_names(cfg).items()})
   if cfg.moe is not None:
     spec.update(_moe_spec(cfg))
   out = {}
@@ -97,6 +98,17 @@ def _experts(cfg: ModelConfig, get: GetTensor, pre: str, ours: str, source: str)
   hf_shape = (d, f) if ours == "we_down" else (f, d)
   return np.stack([_fetch(get, pre + expert_name(cfg, ours, e), hf_shape, hf_shape[::-1],
                           source) for e in range(cfg.moe.num_experts)])
+
+
+def sandwich_norm_names(cfg: ModelConfig) -> dict[str, str]:
+  """Gemma's per-layer norm names where they differ from Llama's: its
+  post_attention_layernorm norms the attention output, and the MLP's input norm is
+  pre_feedforward_layernorm."""
+  if not cfg.sandwich_norms:
+    return {}
+  return {"mlp_norm": "pre_feedforward_layernorm.weight",
+          "post_attn_norm": "post_attention_layernorm.weight",
+          "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
 
 def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transformer:

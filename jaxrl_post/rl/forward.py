@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.errors import UserError
 from jaxrl_post.kernels import ChunkedLogprobConfig, chunked_logprob
 from jaxrl_post.models import Transformer, moe
 from jaxrl_post.models.layers import batch_shards
@@ -84,6 +85,9 @@ def completion_outputs(model: Transformer, params: dict, inputs: PackedInputs,
     replay: MoE layers route by the rollout's recorded experts (inputs.experts) instead
       of their own top-k (routing replay); either way they report agreement with them.
   """
+  if model.config.final_logit_softcapping is not None:  # Static: refused while tracing.
+    raise UserError("training: final_logit_softcapping is not supported (the chunked "
+                    "logprob kernel computes uncapped logits; no Gemma 3 checkpoint sets it)")
   m, h, targets, routing = head_states(model, params, inputs, replay)
   lm_head = m.lm_head_weight().astype(h.dtype)
   floor = None

@@ -9,7 +9,8 @@ exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's pa
 
 Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
 pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
-sliding-window models, which the kernel does not cover. Prefill stays plain jnp.
+sliding-window layers and soft-capped scores, which the kernel does not cover (a windowed
+layer gathers only the pages its window spans). Prefill stays plain jnp.
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -76,7 +77,8 @@ def _window(mask, q_pos, k_pos, sliding_window):
 
 
 def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, sliding_window=None,
-                           use_kernel: Optional[bool] = None):
+                           use_kernel: Optional[bool] = None,
+                           logit_cap: Optional[float] = None):
   """One query token per sequence against its pages: the decode step's attention.
 
   Args:
@@ -89,22 +91,42 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     lengths: [B] int32 valid tokens per row, the query's own included (>= 1).
     sliding_window: static; keys older than this many positions are masked (Mistral).
     use_kernel: static; the Pallas kernel (interpreted on a CPU) instead of plain jnp.
-      None: the kernel on GPU/TPU when there is no sliding window.
+      None: the kernel on GPU/TPU when there is no sliding window and no soft-capping.
+    logit_cap: static soft-capping of the scores (attn_logit_softcapping), or None.
 
   Returns:
     [B, Hq, D] in q's dtype.
   """
   if use_kernel is None:
-    use_kernel = use_kernel_default() and sliding_window is None
+    use_kernel = use_kernel_default() and sliding_window is None and logit_cap is None
   if use_kernel:
-    if sliding_window is not None:
-      raise ValueError("the paged attention kernel has no sliding window")
+    if sliding_window is not None or logit_cap is not None:
+      raise ValueError("the paged attention kernel has no sliding window or soft-capping")
     return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
-  k_pos = jnp.arange(page_table.shape[1] * k_pool.shape[3])[None, :]  # [1, S]
+  ps = k_pool.shape[3]
+  first = jnp.zeros((1,), jnp.int32)  # Page index of each row's first gathered page.
+  if sliding_window is not None:
+    page_table, first = _window_pages(page_table, lengths, sliding_window, ps)
+  k_pos = first[:, None] * ps + jnp.arange(page_table.shape[1] * ps)[None, :]  # [B or 1, S]
   valid = _window((k_pos < lengths[:, None])[:, None], (lengths - 1)[:, None], k_pos,
                   sliding_window)[:, 0]  # [B, S]
-  out, _ = _head_major_attention(q, k_pool, v_pool, layer, page_table, valid)
+  out, _ = _head_major_attention(q, k_pool, v_pool, layer, page_table, valid, logit_cap)
   return out.astype(q.dtype)
+
+
+def _window_pages(page_table, lengths, sliding_window: int, page_size: int):
+  """([B, n] the pages a windowed query can see, [B] the index of the first in the table).
+
+  The query at position lengths - 1 sees keys from lengths - window on: at most
+  cdiv(window - 1, page_size) + 1 pages. Gathering only those keeps a sliding layer's
+  decode read at the window's size instead of the sequence's, and never touches pages a
+  sequence gave back behind its window.
+  """
+  m = page_table.shape[1]
+  n = min(-(-(sliding_window - 1) // page_size) + 1, m)
+  first = jnp.clip((lengths - sliding_window) // page_size, 0, m - n)  # [B]
+  index = first[:, None] + jnp.arange(n)[None, :]
+  return jnp.take_along_axis(page_table, index, axis=1), first
 
 
 def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
@@ -116,7 +138,7 @@ def _head_major_pages(pool, layer, page_table):  # -> [Hkv, B, M * ps, D]
   return pages.reshape(hkv, page_table.shape[0], -1, d)
 
 
-def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid):
+def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid, logit_cap=None):
   """q [N, H, D] against each row's pages of `layer`, float32, with the log-sum-exp.
 
   valid: [N, S] the keys each row may attend to (S = the table's pages x page size).
@@ -133,6 +155,7 @@ def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid):
   v = _head_major_pages(v_pool, layer, page_table).astype(jnp.float32)
   qg = q.reshape(n, hkv, h // hkv, d).transpose(1, 0, 2, 3).astype(jnp.float32)
   scores = jnp.sum(qg[:, :, :, None, :] * k[:, :, None], axis=-1) / math.sqrt(d)
+  scores = L.softcap(scores, logit_cap)
   valid = valid[None, :, None, :]  # [1, N, 1, S]
   scores = jnp.where(valid, scores, -jnp.inf)  # [Hkv, N, G, S]
   lse = jax.nn.logsumexp(scores, axis=-1)
@@ -143,7 +166,7 @@ def _head_major_attention(q, k_pool, v_pool, layer, page_table, valid):
 
 
 def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, key_starts,
-                            positions, segments, sliding_window=None):
+                            positions, segments, sliding_window=None, logit_cap=None):
   """Packed prompt chunks' queries against their own segments' pages (the chunk's own K/V
   included): a query sees a key iff both belong to one segment and the key's position is
   not after the query's (rollout.prefill_pack lays the rows out).
@@ -159,6 +182,7 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, k
     positions: [B, T] int32 positions of the queries.
     segments: [B, T] int32 segment of each query (negative: padding, sees nothing).
     sliding_window: static, as in paged_decode_attention.
+    logit_cap: static, as in paged_decode_attention.
 
   Returns:
     [B, T, Hq, D] in q's dtype.
@@ -170,7 +194,7 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, k
   k_seg = jnp.repeat(key_segments, ps, axis=1)  # [B, K*ps]
   mask = ((k_seg[:, None, :] == segments[:, :, None]) & (segments[:, :, None] >= 0) &
           (k_pos[:, None, :] <= positions[:, :, None]))  # [B, T, K*ps]
-  return L.attention(q, k, v, _window(mask, positions, k_pos, sliding_window))
+  return L.attention(q, k, v, _window(mask, positions, k_pos, sliding_window), logit_cap)
 
 
 def _masked_part(q, k_pool, v_pool, layer, page_table, lengths):

@@ -15,8 +15,11 @@ decoding samples of one prompt, and decode attention is cascade attention: the b
 shared whole prompt pages are read once per block per step instead of once per sample
 (the partial last prompt page is each sample's own copy, so it counts as the sample's).
 Callers then insert a prompt's samples only into blocks that are free or already hold that
-prompt; the Scheduler does so. Sliding-window models keep the block placement but decode
-with plain paged attention, which is the only one with a window.
+prompt; the Scheduler does so. Models with sliding-window layers (Mistral, Gemma 3) keep
+the block placement but decode with plain paged attention, which is the only one with a
+window (forward.cascade_refusal says why for a given model). When every layer has a
+window (Mistral; not Gemma 3, whose global layers read every token) a decoding sequence
+gives back the pages behind it.
 
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
 between calls; every token is stamped with the version that produced it. `generate` at the
@@ -185,6 +188,16 @@ def _host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
 
 
 @functools.lru_cache(maxsize=None)
+def _release_window(cfg: ModelConfig) -> int | None:
+  """The window behind which no layer reads a page (None: some layer reads them all).
+
+  Only models whose every layer has a window (Mistral) can give pages back while a
+  sequence decodes; a global layer (Gemma 3 has one per six) reads the whole sequence.
+  """
+  windows = cfg.layer_windows
+  return None if None in windows else max(windows)
+
+
 def _template(cfg: ModelConfig) -> Transformer:
   return abstract_model(cfg)
 
@@ -515,7 +528,9 @@ class Engine:
     blocks = self.num_slots // config.group_slots if config.group_slots else 0
     self._block_table = np.full((blocks, self.max_pages), TRASH_PAGE, np.int32)
     self._block_len = np.zeros((blocks,), np.int32)
-    self.cascade = bool(config.group_slots) and model_config.sliding_window is None
+    # Windowed models keep the blocks but decode with plain paged attention.
+    self.cascade = bool(config.group_slots) and forward.cascade_refusal(model_config) is None
+    self.release_window = _release_window(model_config)
 
   @classmethod
   def from_model(cls, model: Transformer, config: EngineConfig = EngineConfig(), *,
@@ -921,11 +936,26 @@ class Engine:
       seq = self._seqs[slot]
       final = int(self._final_len[slot])
       needed[slot] = cdiv(int(min(s.lengths[slot] + steps, final)), ps)
-      if needed[slot] > len(seq.pages):
+      released = self._release_behind_window(seq, int(s.lengths[slot]))
+      grows = needed[slot] > len(seq.pages)
+      if grows:
         seq.grow(int(min(s.lengths[slot] + steps + 3 * ps, final)))
+      if grows or released:
         s.page_table[slot, :len(seq.pages)] = seq.pages
         self._grown.add(int(slot))
     return needed
+
+  def _release_behind_window(self, seq: PagedSequence, length: int) -> int:
+    """Gives back the pages of a running sequence that every layer's window has left.
+
+    The next query sits at position `length` (the host's view, which lags the devices', so
+    the devices' windows are past these pages too) and sees keys after length - window.
+    Calls in flight may still gather a page given back here, and a later call may give it
+    to another sequence: their reads of it are masked by the window, so its contents do
+    not matter; writes only land at a sequence's newest positions."""
+    if self.release_window is None:
+      return 0
+    return seq.release_before(length - self.release_window + 1)
 
   def _push_dirty_rows(self) -> None:
     """Sends the host's changed slot rows to the device state (small scatters): whole rows

@@ -19,12 +19,15 @@ rows and pages (shard-local page ids) and its KV heads.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models import layers as L
-from jaxrl_post.models.transformer import Transformer, post_attention, qkv_projection
+from jaxrl_post.models.transformer import (Transformer, layer_ids, post_attention,
+                                           qkv_projection)
 from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention,
                                           paged_decode_attention, paged_prefill_attention)
 from jaxrl_post.rollout.layout import RolloutLayout
@@ -71,20 +74,33 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
     x, pool = carry
     x = constrain(x, ("batch", None, "embed"))  # Rows stay on their data shard.
     p, layer = layer_in
-    q, k, v = qkv_projection(cfg, x, p, positions)
+    q, k, v = qkv_projection(cfg, x, p, positions, layer)
     attn, pool = attend_and_write(pool, layer, q, k, v)
     x, routing = post_attention(cfg, x, p, attn)
     return (x, pool), None if routing is None else routing.experts
 
-  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, pool), experts = jax.lax.scan(body, (x, pool), (model.layers.stacked(), layer_ids))
+  (x, pool), experts = jax.lax.scan(body, (x, pool), (model.layers.stacked(), layer_ids(cfg)))
   if experts is not None:  # [L, B, T, k] -> [B, T, L, k]
     experts = jnp.moveaxis(experts, 0, 2)
   return x, pool, experts
 
 
 def _final_logits(model: Transformer, h):  # [B, D] -> [B, V] float32
-  return model.logits(L.rms_norm(h, model.final_norm[...], model.config.rms_norm_eps))
+  return model.logits(model.final_rms_norm(h))
+
+
+def cascade_refusal(cfg) -> str | None:
+  """Why cascade decode cannot run this model (None: it can).
+
+  Cascade attention splits each row's keys into the block's shared prompt pages and the
+  row's own ones; its kernels have neither a window nor score soft-capping, so windowed
+  models (Mistral, Gemma 3) decode with plain paged attention, which has both.
+  """
+  if cfg.any_window:
+    return "the model has sliding-window layers"
+  if cfg.attn_logit_softcapping is not None:
+    return "the model soft-caps attention scores"
+  return None
 
 
 def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active,
@@ -97,8 +113,8 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   ps = pool.k.shape[3]
   table_start = 0  # Position of each row's first page-table token.
   if shared is not None:
-    if cfg.sliding_window is not None:
-      raise ValueError("cascade decode attention has no sliding window")
+    if cascade_refusal(cfg):
+      raise ValueError(f"no cascade decode attention: {cascade_refusal(cfg)}")
     rows_per_block = lengths.shape[0] // shared.lengths.shape[0]
     table_start = jnp.repeat(shared.lengths, rows_per_block)  # [B]
     # Free slots attend to nothing, and a block with no live row skips its prefix read.
@@ -108,8 +124,9 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
   pool = _write_kv(pool, layer, pages, lengths % ps, k, v)
   if shared is None:
-    attn = paged_decode_attention(q, pool.k, pool.v, layer, page_table, lengths + 1,
-                                  cfg.sliding_window)
+    attend = L.per_layer(cfg, lambda window: functools.partial(
+        paged_decode_attention, sliding_window=window, logit_cap=cfg.attn_logit_softcapping))
+    attn = attend(layer, q, pool.k, pool.v, layer, page_table, lengths + 1)
   else:
     suffix_lengths = jnp.where(active, lengths + 1 - table_start, 0)  # [B]
     attn = cascade_decode_attention(q, pool.k, pool.v, layer, shared, page_table,
@@ -157,7 +174,7 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
       prefix.
     active: [B] bool; inactive rows write to the sink page and their logits are garbage.
     shared: None for plain paged attention; else cascade attention over blocks of
-      B // G rows that share these prompt pages (the model must have no sliding window).
+      B // G rows that share these prompt pages (not for windowed models: cascade_refusal).
     layout: where the rows and pages live (default: one device).
 
   Returns:
@@ -177,9 +194,10 @@ def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):
   flat = lambda a: a.reshape(-1, *a.shape[2:])
   pool = _write_kv(pool, layer, flat(rows.write_pages), flat(rows.positions % ps), flat(k),
                    flat(v))
-  attn = paged_prefill_attention(q, pool.k, pool.v, layer, rows.key_pages, rows.key_segments,
-                                 rows.key_starts, rows.positions, rows.segments,
-                                 cfg.sliding_window)
+  attend = L.per_layer(cfg, lambda window: functools.partial(
+      paged_prefill_attention, sliding_window=window, logit_cap=cfg.attn_logit_softcapping))
+  attn = attend(layer, q, pool.k, pool.v, layer, rows.key_pages, rows.key_segments,
+                rows.key_starts, rows.positions, rows.segments)
   return attn, pool
 
 

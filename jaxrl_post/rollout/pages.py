@@ -9,7 +9,9 @@ Host side, pages carry reference counts. A group of samples of one prompt shares
 prompt's full pages by reference; the partial last page is copied per sample before its
 first write (copy on write). Memory is promised before it is used: a sequence holds a
 reservation for every page it may still need, so the allocator never runs dry mid-decode and
-a request that does not fit waits instead of failing or overwriting a live page.
+a request that does not fit waits instead of failing or overwriting a live page. A
+sequence of a model whose every layer has a sliding window gives back the pages all
+windows have left while it decodes (`PagedSequence.release_before`).
 """
 
 from __future__ import annotations
@@ -219,7 +221,8 @@ class PagedSequence:
     child = PagedSequence(self.alloc, self.page_size, reserved)
     self.reserved -= reserved
     for page in self.pages:
-      self.alloc.share(page)
+      if page != TRASH_PAGE:  # Given back behind a sliding window.
+        self.alloc.share(page)
     child.pages = list(self.pages)
     return child
 
@@ -243,10 +246,23 @@ class PagedSequence:
     self.reserved -= n
     self.alloc.unreserve(n)
 
+  def release_before(self, first_token: int) -> int:
+    """Gives back the pages wholly before token `first_token`, which no attention will read
+    again (they fall behind every layer's sliding window); their places in `pages` become
+    the sink page, so later tokens keep their page index. Returns how many were given."""
+    given = 0
+    for i in range(min(max(first_token, 0) // self.page_size, len(self.pages))):
+      if self.pages[i] != TRASH_PAGE:
+        self.alloc.release(self.pages[i])
+        self.pages[i] = TRASH_PAGE
+        given += 1
+    return given
+
   def free(self) -> None:
     """Returns the pages (dropping this sequence's references) and the reservation."""
     for page in self.pages:
-      self.alloc.release(page)
+      if page != TRASH_PAGE:
+        self.alloc.release(page)
     self.pages = []
     self.drop_reservation(self.reserved)
 

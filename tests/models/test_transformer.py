@@ -39,7 +39,8 @@ def test_every_parameter_names_its_logical_axes():
 @pytest.mark.parametrize("name,expected", [("smollm2-135m", 134_515_008),
                                            ("llama3-8b", 8_030_261_248),
                                            ("qwen2.5-0.5b", 494_032_768),
-                                           ("qwen3-0.6b", 596_049_920)])
+                                           ("qwen3-0.6b", 596_049_920),
+                                           ("gemma3-1b", 999_885_952)])
 def test_full_size_presets_by_shape_only(name, expected):
   cfg = preset(name)
   model = abstract_model(cfg)  # eval_shape: no memory is allocated.

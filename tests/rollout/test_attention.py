@@ -62,8 +62,10 @@ def test_cascade_kernel_on_the_stacked_pool_equals_the_jnp_path(layer):
   np.testing.assert_array_equal(plain[3:], 0.0)
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 1, 4, 5, 9, 64])
 def test_jnp_decode_path_equals_dense_attention_over_the_rows_tokens(window):
+  """With a window the jnp path gathers only the pages the window spans (1, 2 or 3 of the
+  table's 3 here); any window must give what masking the whole table gives."""
   from jaxrl_post.models import layers as L
   from jaxrl_post.rollout.attention import gather_pages
   hkv, n_layers, n_pages, ps, d, b, hq, layer = 2, 3, 12, 4, 8, 3, 6, 1

@@ -62,6 +62,24 @@ def test_reservations_refcounts_and_copy_on_write():
   assert alloc.refcount.tolist() == [1] + [0] * 9
 
 
+def test_pages_behind_a_window_are_given_back_once():
+  alloc = PageAllocator(num_pages=10)
+  assert alloc.reserve(5)
+  parent = PagedSequence(alloc, PS, reserved=5)
+  parent.grow(4 * PS)
+  child = parent.fork(reserved=1)
+  first = list(parent.pages)
+  assert child.release_before(2 * PS + 1) == 2  # Pages 0 and 1 lie wholly before it.
+  assert child.pages == [TRASH_PAGE, TRASH_PAGE, *first[2:]] and alloc.in_use == 4
+  assert child.release_before(2 * PS + 3) == 0  # Nothing twice; page 2 is still read.
+  parent.free()
+  assert alloc.in_use == 2  # The child's pages 2 and 3.
+  grandchild = child.fork(reserved=0)
+  assert alloc.refcount[first[2:]].tolist() == [2, 2] and alloc.refcount[TRASH_PAGE] == 1
+  child.free(), grandchild.free()
+  assert alloc.in_use == 0 and alloc.refcount.tolist() == [1] + [0] * 9
+
+
 def test_a_group_shares_its_prompt_pages_and_copies_the_partial_one():
   eng = H.engine()
   rng = np.random.default_rng(0)
