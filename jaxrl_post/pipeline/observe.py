@@ -186,9 +186,13 @@ class _DecodeCounter:
 
 def _flops_per_token(run_) -> float:
   """Dense matmul FLOPs per trained token: 6 per parameter (forward and backward), 2 more
-  with the reference forward; the input embedding is a lookup, not a matmul."""
+  with the reference forward; the input embedding is a lookup, not a matmul, and of a
+  MoE layer's experts only the k a token goes through count."""
   cfg = run_.model_cfg
   params = cfg.num_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+  if cfg.moe is not None:  # A token runs through k experts, not all E.
+    idle = cfg.moe.num_experts - cfg.moe.experts_per_token
+    params -= cfg.num_layers * idle * 3 * cfg.hidden_size * cfg.moe.intermediate_size
   reference = run_.exp.trainer.loss.kl_coef > 0
   return (6 + 2 * reference) * params
 
