@@ -5,7 +5,8 @@
 # left out; `bash scripts/test.sh -m sweep` runs them (a later -m replaces the default).
 # Tests run in JAXRL_TEST_WORKERS processes (default: the cores, at least 2 and at most 4;
 # 0 runs them in this one). Much of a test is single-threaded compilation and subprocesses
-# starting, which a second process overlaps even on two cores.
+# starting, which a second process overlaps even on two cores. A test still running after
+# JAXRL_TEST_TIMEOUT seconds (default 900) fails with its stacks, so a hang costs minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,4 +19,5 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
-exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 -m "not sweep" "$@"
+exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 \
+  --timeout="${JAXRL_TEST_TIMEOUT:-900}" -m "not sweep" "$@"

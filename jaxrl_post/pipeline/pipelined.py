@@ -17,8 +17,9 @@ the weights that train on it. The loss corrects with the configured off-policy w
 Which weights draw which batch is fixed by the step, not by timing, so an asynchronous run
 samples the same tokens however fast each side is, and resumes exactly: a checkpoint after
 step s waits for the batches of steps s + 1 .. s + lag (they need no weights newer than
-s - 1), saves them beside the train state, and only then hands version s to the rollout
-thread. A restarted run trains on the saved batches and draws the rest with the restored
+s - 1) and saves them beside the train state; the thread draws nothing past step s + lag
+(nor reads the prompt stream past it) until step s + 1 is trained, which comes after the
+save, so the saved data position is that of step s + lag. A restarted run trains on the saved batches and draws the rest with the restored
 weights. A batch whose tokens are staler than the bound is dropped and counted, never
 trained on (by construction none is; the check guards the invariant).
 
@@ -217,12 +218,8 @@ class AsyncRLRun(RLRun):
     fresh = self.sync.initial(self.trainer.full_params(self.state))
     self.rollout = RolloutWeights(fresh.params, self.rollout.version + 1)
     jax.block_until_ready(self.rollout.params)
-    if not self._saves_after(step):
-      self.ahead.publish(self.rollout.version, self.rollout.params)
+    self.ahead.publish(self.rollout.version, self.rollout.params)
     return {"sync/bytes": self.sync.bytes_per_sync}
-
-  def _saves_after(self, step: int) -> bool:
-    return step % self.exp.checkpoint.every_n_steps == 0 or step == self.exp.steps
 
   def evaluate(self) -> dict[str, float]:
     with self.ahead.engine_lock:  # Between two batches; the thread resets its weights.
@@ -236,8 +233,6 @@ class AsyncRLRun(RLRun):
     if jax.process_index() == 0:
       self._write_queue(progress.step, queued)
     super().save(progress)
-    if self.ahead is not None:
-      self.ahead.publish(self.rollout.version, self.rollout.params)
 
   def _queue_path(self, step: int) -> str:
     return os.path.join(self.workdir, "checkpoints", f"queue_{step}.pkl")
