@@ -14,9 +14,13 @@ Where the cache lives, first match wins:
 
 Every program is stored, however small or quick to compile, so that a second run of the
 same config compiles nothing; jax's own `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and
-`JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES`, when set, are kept instead. The directory
-grows without bound unless `JAX_COMPILATION_CACHE_MAX_SIZE` (bytes) is set; deleting it
-is always safe.
+`JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES`, when set, are kept instead. The directory is
+bounded (DEFAULT_MAX_BYTES, least recently used entries go first; jax's own
+`JAX_COMPILATION_CACHE_MAX_SIZE`, when set, wins). The bound is also what makes the cache
+safe to share: only with one does jax take the directory's file lock around each read and
+write. Unbounded, an entry is written in place, and a process (or a second thread, as in
+the asynchronous driver) that reads it half-written crashes deserialising it. Deleting
+the directory is always safe.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ ENV = "JAXRL_COMPILATION_CACHE"
 _OFF = ("off", "0", "")
 # jax reads these environment variables itself; set, they are the user's choice to keep.
 _JAX_DIR = "JAX_COMPILATION_CACHE_DIR"
+_JAX_MAX = "JAX_COMPILATION_CACHE_MAX_SIZE"
+DEFAULT_MAX_BYTES = 8 << 30
 _JAX_THRESHOLDS = {
     "jax_persistent_cache_min_compile_time_secs": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "jax_persistent_cache_min_entry_size_bytes": "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
@@ -75,6 +81,8 @@ def enable(flag: Optional[str] = None) -> Optional[str]:
     for option, env in _JAX_THRESHOLDS.items():
       if env not in os.environ:
         jax.config.update(option, 0)
+    if _JAX_MAX not in os.environ:
+      jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
   compilation_cache.reset_cache()  # The cache decides once whether it is in use.
   return path
 

@@ -11,6 +11,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + host_flags(8)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Bounded, so jax locks the directory around each entry's read and write: the test
+# processes and the runs they start share it, and an unlocked entry read half-written
+# crashes the reader (see jaxrl_post/compile_cache.py).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # libtpu (the `tpu` extra) compiles for abstract TPU slices on this CPU host: let the
 # test processes load it side by side, without looking for TPU hardware or metadata.
 from jaxrl_post.plan.targets import compile_only_tpu_env  # noqa: E402  (read when jax starts)

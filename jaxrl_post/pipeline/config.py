@@ -176,6 +176,7 @@ class ReferenceSpec:
 
 
 ASYNC_MODES = ("sync", "one_step_off", "bounded")
+WEIGHT_UPDATES = ("between_batches", "in_flight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +192,23 @@ class AsyncSpec:
       token and the old policy it is trained against (the batch's first optimizer step;
       the later minibatches' own steps are PPO's usual, bounded by the clipped ratio);
       lag = max_staleness // TrainerConfig.minibatches RL steps, at least 1.
+    weight_updates: "between_batches" (a batch's sequences all finish on the weights they
+      started with; the run samples the same tokens however fast each side is) or
+      "in_flight" (a newer version enters the engine between two decode calls of the batch
+      being drawn: running sequences keep their K/V and go on with the new weights, their
+      later tokens stamped with its version; fresher tokens, timing-dependent samples).
   """
 
   mode: str = "sync"
   max_staleness: int = 2
+  weight_updates: str = "between_batches"
 
   def __post_init__(self):
     if self.mode not in ASYNC_MODES:
       raise UserError(f"async spec: mode={self.mode!r} is not one of {ASYNC_MODES}")
+    if self.weight_updates not in WEIGHT_UPDATES:
+      raise UserError(f"async spec: weight_updates={self.weight_updates!r} is not one of "
+                      f"{WEIGHT_UPDATES}")
     if not isinstance(self.max_staleness, int) or self.max_staleness < 1:
       raise UserError(f"async spec: max_staleness must be a positive integer, got "
                       f"{self.max_staleness!r}")

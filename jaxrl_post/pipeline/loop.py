@@ -83,12 +83,13 @@ class RLRun:
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
     self._initial_params = params
     self._step = 0  # The last step run: labels eval calls in the dead-letter file.
-    # Started last (workers come up while the run restores or warms up); process 0 alone
-    # writes files other than checkpoints.
-    self.dead_letter = os.path.join(workdir, "dead_letter.jsonl")
+    # Started last (workers come up while the run restores or warms up). Each process
+    # scores its share of the samples (pipeline/agreement.py), so each records its own
+    # failed calls; process 0 alone writes the other files but checkpoints.
+    self.dead_letter = os.path.join(workdir, dead_letter_name(jax.process_index()))
     self.pool = VerifierPool(self.task, workers=exp.reward.workers,
                              timeout_s=exp.reward.timeout_s, processes=exp.reward.processes,
-                             dead_letter=self.dead_letter if jax.process_index() == 0 else None)
+                             dead_letter=self.dead_letter)
 
   # ------------------------------------------------------------------ start
 
@@ -236,11 +237,16 @@ class RLRun:
       groups = rollouts.sample_groups(self.engine, problems, prompt_ids, exp.rollout.group_size,
                                       self.sampling, exp.rollout.scheduler,
                                       dynamic.round_seed(exp.seed, round_), step,
-                                      on_group=scoring.submit)
+                                      on_group=scoring.submit,
+                                      between_calls=self._between_decode_calls)
       seconds = time.perf_counter() - t0
     with timer.role("reward"):  # Only the calls still running once decoding is done.
       rewards, stats = scoring.results(groups)
     return dynamic.Drawn(groups, rewards, stats, seconds)
+
+  def _between_decode_calls(self) -> None:
+    """Runs between two decode calls of a training batch: nothing here (the synchronous
+    loop syncs between batches); the asynchronous driver swaps in newer weights."""
 
   def _scores(self, rewards: np.ndarray) -> SequenceScores:
     """What the trainer's programs read per sequence. With a critic (PPO) the rewards
@@ -316,6 +322,11 @@ def _train_metrics(history: list[dict]) -> dict[str, Any]:
   return out
 
 
+def dead_letter_name(process: int) -> str:
+  """The failed verifier calls of one process's samples."""
+  return "dead_letter.jsonl" if process == 0 else f"dead_letter.process{process}.jsonl"
+
+
 def run(exp: Experiment, workdir: str, log=print, run_cls=None) -> dict[str, Any]:
   """Runs (or resumes) the experiment to its last step; returns the summary.
 
@@ -330,8 +341,7 @@ def run(exp: Experiment, workdir: str, log=print, run_cls=None) -> dict[str, Any
             else DiscardMetrics())
   fresh = not progress.eval_history  # No checkpoint: lines of a killed attempt are stale.
   writer.truncate_after(-1 if fresh else progress.step)
-  if first:
-    truncate_jsonl(run_.dead_letter, -1 if fresh else progress.step)
+  truncate_jsonl(run_.dead_letter, -1 if fresh else progress.step)  # This process's own.
   telemetry = None
   try:
     telemetry = RunTelemetry(run_, workdir, progress.step, log, writes=first)

@@ -14,14 +14,18 @@ the weights that train on it. The loss corrects with the configured off-policy w
   one_step_off    1                                     + minibatches
   bounded         max_staleness // minibatches          <= max_staleness
 
-Which weights draw which batch is fixed by the step, not by timing, so an asynchronous run
-samples the same tokens however fast each side is, and resumes exactly: a checkpoint after
-step s waits for the batches of steps s + 1 .. s + lag (they need no weights newer than
-s - 1) and saves them beside the train state; the thread draws nothing past step s + lag
-(nor reads the prompt stream past it) until step s + 1 is trained, which comes after the
-save, so the saved data position is that of step s + lag. A restarted run trains on the saved batches and draws the rest with the restored
-weights. A batch whose tokens are staler than the bound is dropped and counted, never
-trained on (by construction none is; the check guards the invariant).
+With AsyncSpec.weight_updates = "in_flight" the thread also takes newer weights between two
+decode calls of the batch it draws: running sequences go on with the new weights, each
+token stamped with its version, and staleness is counted per token. Otherwise (the
+default) which weights draw which batch is fixed by the step, not by timing, so an
+asynchronous run samples the same tokens however fast each side is. Either way it resumes
+with no batch lost or trained twice: a checkpoint after step s waits for the batches of
+steps s + 1 .. s + lag (they need no weights newer than s - 1), saves them and the prompt
+stream's position beside the train state, and only then releases step s to the rollout
+thread (step s + 1 + lag, the first that reads past the saved position, waits for it).
+A restarted run trains on the saved batches and draws the rest with the restored weights.
+A batch whose tokens are staler than the bound is dropped and counted, never trained on
+(by construction none is; the check guards the invariant).
 
 The engine gets new weights between decode calls (Engine.set_weights: launched calls keep
 the weights they were launched with, and the prefix cache is cleared, so no cached K/V
@@ -60,9 +64,10 @@ class _Drawn:
 
 
 class _Ahead:
-  """The rollout thread: draws step t's batch once step t - lag is trained and released
-  (its checkpoint, if any, written) and version t - 1 - lag is published. The first wait
-  bounds the queue to lag batches even where the version clamps at 0 (the first steps)."""
+  """The rollout thread: draws step t's batch once step t - 1 - lag is trained and
+  released (its checkpoint, if any, written), with version t - 1 - lag: while the trainer
+  trains step r + 1, batches r + 2 .. r + 1 + lag may be drawn. Counting releases, not
+  versions, bounds the queue to lag batches also where the version clamps at 0."""
 
   def __init__(self, run: "AsyncRLRun", next_step: int, last_step: int):
     self.run, self.next_step, self.last_step = run, next_step, last_step
@@ -74,6 +79,7 @@ class _Ahead:
     self.error: Optional[BaseException] = None
     self.closed = False
     self.idle_s = 0.0  # time waiting for weights (rollout idle)
+    self.swaps = 0  # in-flight weight updates in the batch being drawn
     self.thread = threading.Thread(target=self._work, name="rollout-ahead", daemon=True)
 
   def need(self, step: int) -> int:
@@ -88,6 +94,12 @@ class _Ahead:
       for old in [v for v in self.weights if v < self.need(self.next_step) and v != version]:
         del self.weights[old]  # No batch still to draw reads it.
       self.cond.notify_all()
+
+  def newest(self) -> tuple[int, Any]:
+    """The newest published version and its weights."""
+    with self.cond:
+      version = max(self.weights)
+      return version, self.weights[version]
 
   def take(self, step: int) -> _Drawn:
     with self.cond:
@@ -124,7 +136,7 @@ class _Ahead:
         t = self.next_step
         t0 = time.perf_counter()
         with self.cond:
-          self.cond.wait_for(lambda: (t - self.run.lag <= self.released
+          self.cond.wait_for(lambda: (t - 1 - self.run.lag <= self.released
                                       and self.need(t) in self.weights) or self.closed)
           if self.closed:
             return
@@ -148,7 +160,9 @@ class _Ahead:
       if engine.version != version:  # Versions name weights: one number, one copy.
         engine.set_weights(params, version)
       timer.start()
+      self.swaps = 0
       batch, drawn, metrics = RLRun._sample(self.run, step, timer)
+      metrics["async/weight_swaps"] = self.swaps  # In-flight updates within this batch.
       roles = timer.stop()
     return _Drawn(step, version, batch, drawn, metrics, roles["time/step"])
 
@@ -165,6 +179,7 @@ class AsyncRLRun(RLRun):
     if exp.sync.every_n_steps != 1:
       raise UserError("async spec: asynchronous modes sync the weights every step "
                       f"(SyncConfig.every_n_steps = 1), got {exp.sync.every_n_steps}")
+    self.in_flight = spec.weight_updates == "in_flight"
     self.ahead: Optional[_Ahead] = None
     self.counters = {"async/dropped_groups": 0}
 
@@ -194,15 +209,13 @@ class AsyncRLRun(RLRun):
   def _sample(self, step: int, timer):
     with timer.role("wait_data"):
       item = self.ahead.take(step)
-    staleness = (step - 1 - item.version) * self.exp.trainer.minibatches
+    hist = self._staleness_hist(step, item.batch.groups)
+    staleness = max(i for i, n in enumerate(hist) if n) if any(hist) else 0
     metrics = dict(item.metrics)
-    if staleness > self.max_staleness:  # Never trained on (the schedule makes none).
+    if len(hist) > self.max_staleness + 1:  # Never trained on (the schedule makes none).
       self.counters["async/dropped_groups"] += len(item.batch.groups)
-      raise RuntimeError(f"async: step {step}'s batch is {staleness} optimizer steps stale, "
-                         f"over max_staleness={self.max_staleness}")
-    tokens = sum(len(c.tokens) for g in item.batch.groups for c in g.completions)
-    hist = [0] * (self.max_staleness + 1)  # Completion tokens per staleness, this step.
-    hist[staleness] = tokens
+      raise RuntimeError(f"async: step {step}'s batch has tokens {staleness} optimizer steps "
+                         f"stale, over max_staleness={self.max_staleness}")
     queued = self.ahead.queue_depth()
     metrics.update({"async/staleness": staleness, "async/staleness_hist": hist,
                     "async/lag_steps": self.lag, "async/rollout_s": item.seconds,
@@ -212,14 +225,41 @@ class AsyncRLRun(RLRun):
     self.ahead.idle_s = 0.0
     return item.batch, item.drawn, metrics
 
+  def _staleness_hist(self, step: int, groups) -> list[int]:
+    """Completion tokens per staleness in optimizer steps: between the weights that
+    produced a token and the old policy of step `step` (version step - 1)."""
+    hist = [0] * (self.max_staleness + 1)
+    for g in groups:
+      for c in g.completions:
+        for v in c.versions:
+          age = (step - 1 - v) * self.exp.trainer.minibatches
+          hist.extend([0] * (age + 1 - len(hist)))
+          hist[age] += 1
+    return hist
+
+  def _between_decode_calls(self) -> None:
+    """In-flight updates: the rollout thread takes the newest published weights between two
+    decode calls (never newer than step - 1 for the step it draws: the trainer has not
+    trained that step yet, so none is published)."""
+    if not self.in_flight or threading.current_thread() is not self.ahead.thread:
+      return
+    version, params = self.ahead.newest()
+    if version > self.engine.version:
+      self.engine.set_weights(params, version)
+      self.ahead.swaps += 1
+
   def _sync(self, step: int) -> dict[str, int]:
     """A fresh rollout copy of the new weights (the engine may still read the old one);
     handed to the rollout thread once any checkpoint of this step is written."""
     fresh = self.sync.initial(self.trainer.full_params(self.state))
     self.rollout = RolloutWeights(fresh.params, self.rollout.version + 1)
     jax.block_until_ready(self.rollout.params)
-    self.ahead.publish(self.rollout.version, self.rollout.params)
+    if not self._saves_after(step):  # Else `save` releases the step once it is written.
+      self.ahead.publish(self.rollout.version, self.rollout.params)
     return {"sync/bytes": self.sync.bytes_per_sync}
+
+  def _saves_after(self, step: int) -> bool:
+    return step % self.exp.checkpoint.every_n_steps == 0 or step == self.exp.steps
 
   def evaluate(self) -> dict[str, float]:
     with self.ahead.engine_lock:  # Between two batches; the thread resets its weights.
@@ -233,6 +273,8 @@ class AsyncRLRun(RLRun):
     if jax.process_index() == 0:
       self._write_queue(progress.step, queued)
     super().save(progress)
+    if self.ahead is not None:
+      self.ahead.publish(self.rollout.version, self.rollout.params)
 
   def _queue_path(self, step: int) -> str:
     return os.path.join(self.workdir, "checkpoints", f"queue_{step}.pkl")

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.models import Tokenizer
+from jaxrl_post.pipeline import agreement
 from jaxrl_post.rewards import Problem, Task, VerifierPool, VerifierStats
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rollout import Engine, SamplingParams
@@ -40,12 +42,14 @@ class Group:
 def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence[list[int]],
                   k: int, sampling: SamplingParams, scheduler: SchedulerConfig, seed: int,
                   step: int,
-                  on_group: Optional[Callable[[int, Group], None]] = None) -> list[Group]:
+                  on_group: Optional[Callable[[int, Group], None]] = None,
+                  between_calls: Optional[Callable[[], None]] = None) -> list[Group]:
   """K samples of each prompt, in prompt order.
 
   The scheduler is driven as `rollout.generate` drives it (same requests, seeds and steps),
   so the samples are the same; stepping it here lets `on_group(i, group)` run as soon as
-  prompt i's samples are all done, while the others still decode.
+  prompt i's samples are all done, while the others still decode. `between_calls()` runs
+  before each scheduler step: where new weights may enter the engine mid-batch.
   """
   sched = Scheduler(engine, scheduler)
   rids = [sched.submit(tuple(ids), sampling, n=k, seed=request_seed(seed, step, i))
@@ -53,6 +57,8 @@ def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence
   index = {rid: i for i, rid in enumerate(rids)}
   left = collections.Counter({rid: k for rid in rids})
   while not sched.idle:
+    if between_calls is not None:
+      between_calls()
     for rid, _, _ in sched.step():
       left[rid] -= 1
       if left[rid] == 0 and on_group is not None:
@@ -81,14 +87,23 @@ class Scoring:
     return (self.tag, self.step, index, sample)
 
   def submit(self, index: int, group: Group) -> None:
+    """Queues this process's share of the group (see pipeline/agreement.py)."""
+    k = len(group.completions)  # Every group of a batch has the same size.
     for j, c in enumerate(group.completions):
-      text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
-      self.pool.submit(self.key(index, j), group.problem, text, step=self.step)
+      if agreement.owns(index * k + j):
+        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        self.pool.submit(self.key(index, j), group.problem, text, step=self.step)
 
   def results(self, groups: Sequence[Group]) -> tuple[np.ndarray, VerifierStats]:
-    """float32 rewards [samples] in `flatten`'s order; blocks for the calls still running."""
-    return self.pool.results([self.key(i, j) for i, g in enumerate(groups)
-                              for j in range(len(g.completions))])
+    """float32 rewards [samples] in `flatten`'s order, the same on every process; blocks
+    for the calls still running (and, across processes, for the other processes')."""
+    start = time.perf_counter()
+    keys = [(f, self.key(i, j)) for f, (i, j) in enumerate(
+        (i, j) for i, g in enumerate(groups) for j in range(len(g.completions)))]
+    mine = [(f, key) for f, key in keys if agreement.owns(f)]
+    rewards, stats = self.pool.results([key for _, key in mine])
+    stats = dataclasses.replace(stats, wait_s=time.perf_counter() - start)
+    return agreement.gather(len(keys), [f for f, _ in mine], rewards, stats)
 
 
 def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], list[tuple[float, ...]]]:
@@ -110,7 +125,9 @@ def rollout_metrics(groups: Sequence[Group], seconds: float) -> dict[str, float]
           "rollout/completion_len_max": int(lengths.max()),
           "rollout/stop_frac": float(stopped),
           "rollout/weight_version_min": min(c.weight_version for g in groups
-                                            for c in g.completions)}
+                                            for c in g.completions),
+          "rollout/weight_version_max": max(max(c.versions)
+                                            for g in groups for c in g.completions)}
 
 
 def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequence[Problem],

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_post import train
 from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline import pipelined
 from jaxrl_post.pipeline.config import AsyncSpec
 from jaxrl_post.telemetry import read_metrics
 from tests.pipeline.test_train import (ROOT, _deterministic, _train_args, _train_cmd,
@@ -70,8 +71,44 @@ def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, extra, ki
   assert strip(got) == strip(want)
 
 
+def test_in_flight_updates_switch_weights_mid_batch_and_stamp_each_token(tmp_path,
+                                                                         monkeypatch):
+  """Rollout made slower than training: after the batch's first decode call the thread
+  waits (in the hook where weights may enter) until the trainer publishes step t - 1, so
+  every batch from step 3 on starts on version t - 2 and finishes on t - 1. (Step 2's
+  batch may be drawn while step 0's evaluation waits for the engine: not held there.)"""
+  original = pipelined.AsyncRLRun._between_decode_calls
+  calls = {}
+
+  def slow_rollout(run):
+    step = run.ahead.next_step
+    calls[step] = calls.get(step, 0) + 1
+    if calls[step] == 2 and step >= 3:  # One call done on the old weights.
+      with run.ahead.cond:
+        assert run.ahead.cond.wait_for(lambda: max(run.ahead.weights) >= step - 1, 600)
+    original(run)
+
+  monkeypatch.setattr(pipelined.AsyncRLRun, "_between_decode_calls", slow_rollout)
+  extra = ["AsyncSpec.mode = 'one_step_off'", "AsyncSpec.weight_updates = 'in_flight'",
+           "CheckpointConfig.every_n_steps = 100",  # A save holds its step's weights back.
+           "EngineConfig.decode_steps = 1"]  # A decode call per token: calls to switch between.
+  assert train.main(_train_args(tmp_path / "run", extra)) == 0
+  steps = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["step"] > 0]
+  assert [r["step"] for r in steps] == list(range(1, 7))
+  assert steps[0]["async/weight_swaps"] == 0  # Version 0 is the newest there is.
+  for r in steps[2:]:
+    t = r["step"]
+    assert r["async/weight_swaps"] == 1
+    assert (r["rollout/weight_version_min"], r["rollout/weight_version_max"]) == (t - 2, t - 1)
+    old, fresh = r["async/staleness_hist"][2], r["async/staleness_hist"][0]  # 2 minibatches
+    assert old > 0 and fresh > 0 and old + fresh == r["rollout/tokens"]
+    assert r["async/staleness"] == 2 and r["async/dropped_groups"] == 0
+
+
 def test_bad_async_settings_are_one_line_errors():
   with pytest.raises(UserError, match="mode='later'"):
     AsyncSpec(mode="later")
+  with pytest.raises(UserError, match="weight_updates='sometimes'"):
+    AsyncSpec(weight_updates="sometimes")
   with pytest.raises(UserError, match="less than one RL step"):
     AsyncSpec(mode="bounded", max_staleness=1).lag(minibatches=2)

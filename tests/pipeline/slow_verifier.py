@@ -1,0 +1,25 @@
+"""A task whose verifier outlasts any timeout in processes started with
+JAXRL_TEST_SLOW_VERIFIER set: a verifier that times out on one host and not on another.
+
+Imported by a gin file (`import tests.pipeline.slow_verifier`), which registers the task as
+`SlowArithmeticTask`; its verifier workers import it too (PYTHONPATH holds the repository).
+"""
+
+import dataclasses
+import os
+import time
+
+from jaxrl_post.pipeline import config
+from jaxrl_post.rewards import ArithmeticTask
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowArithmeticTask(ArithmeticTask):
+  def score(self, problem, completion):
+    if os.environ.get("JAXRL_TEST_SLOW_VERIFIER"):
+      time.sleep(120)  # Killed at RewardSpec.timeout_s.
+    return super().score(problem, completion)
+
+
+if "SlowArithmeticTask" not in config.CONFIGURABLES:
+  config._register(SlowArithmeticTask)
