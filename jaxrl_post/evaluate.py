@@ -10,7 +10,10 @@
 
 The evaluation is the run's own: the same held-out problems, prompt encoding, greedy decode
 on the rollout engine over the rollout mesh in SyncConfig.rollout_dtype, and verifier, so
-the accuracy equals the eval/accuracy a run logs for the same weights.
+the accuracy equals the eval/accuracy a run logs for the same weights. With
+`--gin_param='EvalSpec.samples = 16'` it also reports pass@k and maj@k of 16 samples per
+problem at EvalSpec.temperature (eval/pass@1, @2, @4, @8, @16 and eval/maj@k), as a run
+does at its eval cadence.
 
 A task read from data files first says what it read and what it skipped, and why, one line
 per path ("read N rows from FILE; skipped M (reason=count, ...)"); with --json those lines
@@ -88,7 +91,8 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
   with VerifierPool(exp.task, workers=exp.reward.workers, timeout_s=exp.reward.timeout_s,
                     processes=exp.reward.processes) as pool:  # as the run's, RewardSpec's
     return rollouts.evaluate(engine, tokenizer, exp.task, problems, exp.prompts,
-                             exp.rollout.max_new_tokens, exp.rollout.scheduler, pool=pool)
+                             exp.rollout.max_new_tokens, exp.rollout.scheduler, pool=pool,
+                             samples=exp.eval.samples, temperature=exp.eval.temperature)
 
 
 def read_lines(task) -> list[str]:
@@ -125,6 +129,10 @@ def main(argv=None) -> int:
   else:
     print(f"held-out accuracy: {metrics['eval/accuracy']:.3f} "
           f"({metrics['eval/problems']} problems, {metrics['eval/skipped']} skipped)")
+    at_k = [f"{name[len('eval/'):]} {value:.3f}" for name, value in metrics.items()
+            if name.startswith(("eval/pass@", "eval/maj@"))]
+    if at_k:
+      print(f"{metrics['eval/k_samples']} samples per problem: " + ", ".join(at_k))
   return 0
 
 

@@ -3,7 +3,7 @@
 The file needs no server and no network: the plotting script (telemetry/report.js, a few
 hundred lines of SVG drawing) and the data are inlined. It reads `metrics.jsonl` (a run in
 progress too: a torn last line is skipped), `config.gin` / `config.json` and, where
-present, `trace.json`, and shows: reward and held-out curves (pass@k where logged); KL,
+present, `trace.json`, and shows: reward and held-out curves (pass@k and maj@k where logged); KL,
 entropy and clip fraction; per-role seconds per step, stacked; the importance-ratio
 histogram; tokens per second and MFU; memory per role; the alarms that fired, on the
 timeline; the run's config.
@@ -169,7 +169,8 @@ def _memory(records) -> list[dict]:
 def _plots(records: Sequence[dict]) -> list[dict]:
   roles = [n for n in _names(records, "time/") if n != "time/step"]
   roles.sort(key=lambda n: (ROLE_ORDER.index(n[5:]) if n[5:] in ROLE_ORDER else 99, n))
-  eval_names = ["eval/accuracy"] + [n for n in _names(records, "eval/", contains="pass@")]
+  eval_names = (["eval/accuracy"] + _names(records, "eval/", contains="pass@")
+                + _names(records, "eval/", contains="maj@"))
   kl = [n for n in ("train/kl/reference", "train/kl/behaviour") if any(n in r for r in records)]
   mfu = _names(records, "perf/train_mfu") + _names(records, "perf/decode_hbm_util")
   return [

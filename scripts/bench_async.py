@@ -78,8 +78,8 @@ def one_run(exp, spec: AsyncSpec, stop_ids, warmup: int, workdir: str) -> dict[s
   out = {"mode": spec.mode, "steps": len(records), "tokens_per_s": tokens / seconds,
          "step_s": float(np.median([r["time/step"] for r in records])),
          "wait_data_s": float(np.median([r.get(wait, 0.0) for r in records])),
-         "rollout_s": float(np.median([r.get("async/rollout_s", r["time/rollout"])
-                                       for r in records])),
+         "rollout_s": float(np.median([r["async/rollout_s"] if "async/rollout_s" in r
+                                       else r["time/rollout"] for r in records])),
          "completion_len": {"mean_of_step_means": float(lengths.mean()), "max": max(maxes)}}
   if spec.mode != "sync":
     hist = np.sum([np.pad(r["async/staleness_hist"], (0, 16))[:16] for r in records], axis=0)

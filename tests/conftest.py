@@ -24,6 +24,12 @@ compile_only_tpu_env()
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
+# The test processes themselves neither read nor write the cache (the runs they start do):
+# in these long-lived processes, which also load libtpu and compile hundreds of programs,
+# XLA:CPU's executable serialisation crashed about once per suite run (a segfault in
+# put/get_executable_and_time), never in a command's own process.
+jax.config.update("jax_enable_compilation_cache", False)
+
 
 def pytest_collection_modifyitems(config, items):
   if jax.default_backend() == "gpu":

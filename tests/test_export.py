@@ -38,7 +38,7 @@ RUN = ["Experiment.steps = 1", "SftConfig.steps = 0", f"ModelSpec.source = '{FIX
        "ModelSpec.lora = @LoraConfig()",
        "LoraConfig.targets = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_up', 'w_down')",
        "LossConfig.entropy_coef = 0.01", "OptimizerConfig.learning_rate = 0.01",
-       "EvalSpec.num_problems = 8", "EvalSpec.every_n_steps = 0",
+       "EvalSpec.num_problems = 8", "EvalSpec.every_n_steps = 0", "EvalSpec.samples = 4",
        "RolloutSpec.prompts_per_step = 4", "RolloutSpec.group_size = 4",
        "EngineConfig.num_slots = 16", "EngineConfig.group_slots = 4",
        "OptimizerConfig.total_steps = 10", "LogSpec.progress = False"]
@@ -260,3 +260,6 @@ def test_evaluate_on_its_own_gives_the_runs_eval_metrics(run_dir, step, capsys):
     logged = [json.loads(line) for line in f]
   want = next(r for r in logged if r["step"] == step)
   assert got == {k: v for k, v in want.items() if k.startswith("eval/")}
+  # 4 samples per problem: pass@k and maj@k beside greedy pass@1, the same in both.
+  assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@1", "eval/maj@4"} <= set(got)
+  assert 0 <= got["eval/pass@1"] <= got["eval/pass@2"] <= got["eval/pass@4"] <= 1

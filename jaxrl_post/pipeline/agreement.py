@@ -5,8 +5,10 @@ replicated to the hosts), and everything the hosts derive from rewards -- advant
 refill rounds, dropped groups -- must be the same on all of them, or their SPMD programs
 get different inputs. Scoring every sample on every process does not guarantee that: a
 verifier that times out on one host (a loaded code sandbox) and not on another gives
-different rewards. So sample f is scored by process f % processes alone, and the outcomes
-are gathered: a timeout is then one value that every process reads.
+different rewards. So the samples of group (prompt) i are scored by process i % processes
+alone, and the outcomes are gathered: a timeout is then one value that every process
+reads. Whole groups, so a problem's samples meet one host's verifier, as they would on a
+single host.
 
 One process: the samples are all its own and nothing is gathered.
 """
@@ -23,13 +25,13 @@ import numpy as np
 from jaxrl_post.rewards import VerifierStats
 
 
-def owner(sample: int) -> int:
-  """The process that scores flat sample index `sample`."""
-  return sample % jax.process_count()
+def owner(group: int) -> int:
+  """The process that scores the samples of the batch's group `group`."""
+  return group % jax.process_count()
 
 
-def owns(sample: int) -> bool:
-  return owner(sample) == jax.process_index()
+def owns(group: int) -> bool:
+  return owner(group) == jax.process_index()
 
 
 def gather(n: int, mine: Sequence[int], rewards: np.ndarray,

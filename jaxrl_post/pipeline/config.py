@@ -137,15 +137,28 @@ class RewardSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-  """Held-out greedy pass@1. every_n_steps=0 evaluates only at the start and the end."""
+  """Held-out evaluation. every_n_steps=0 evaluates only at the start and the end.
+
+  Attributes:
+    every_n_steps, num_problems: when, and on how many of the eval split's problems.
+    samples: 0 for greedy pass@1 alone; n > 0 also draws n samples per problem at
+      `temperature` and reports pass@k (unbiased, from the n) and maj@k (majority answer
+      of the first k) for k = 1, 2, 4, ... n.
+  """
 
   every_n_steps: int = 10
   num_problems: int = 200
+  samples: int = 0
+  temperature: float = 1.0
 
   def __post_init__(self):
     if self.every_n_steps < 0 or self.num_problems < 1:
       raise UserError(f"eval spec: need every_n_steps >= 0 and num_problems >= 1, got "
                       f"{self.every_n_steps} and {self.num_problems}")
+    if not isinstance(self.samples, int) or self.samples < 0:
+      raise UserError(f"eval spec: samples={self.samples!r} must be an integer >= 0")
+    if not self.temperature > 0:
+      raise UserError(f"eval spec: temperature={self.temperature!r} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,16 +173,26 @@ class RLRun:
     if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
         or not self.meshes.colocated):
       return cfg
-    rows, sequences = plan.micro_batch_shape(self._per_micro(), longest,
-                                             exp.trainer.row_tokens, self.trainer.batch_shards)
-    step = plan.train_step_memory(self.model_cfg, exp.trainer, self.meshes.trainer, rows=rows,
-                                  completion_len=completion_bucket(exp.rollout.max_new_tokens),
-                                  micro_batches=exp.trainer.micro_batches,
-                                  sequences=sequences, reference_dtype=exp.reference.dtype)
+    step = self.train_step_plan()
     budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
     self.log(f"kv pool: {budget / 1e9:.2f} GB per device beside a train step peaking at "
              f"{step.peak_bytes / 1e9:.2f} GB")
     return dataclasses.replace(cfg, pool=dataclasses.replace(pool, memory_bytes=budget))
+
+  def train_step_plan(self):
+    """The train step compiled on abstract inputs of the largest micro-batch (its memory
+    analysis sizes the KV pool and goes into the run's telemetry); compiled once."""
+    if getattr(self, "_train_step_plan", None) is None:
+      exp = self.exp
+      longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+      rows, sequences = plan.micro_batch_shape(self._per_micro(), longest,
+                                               exp.trainer.row_tokens, self.trainer.batch_shards)
+      self._train_step_plan = plan.train_step_memory(
+          self.model_cfg, exp.trainer, self.meshes.trainer, rows=rows,
+          completion_len=completion_bucket(exp.rollout.max_new_tokens),
+          micro_batches=exp.trainer.micro_batches, sequences=sequences,
+          reference_dtype=exp.reference.dtype)
+    return self._train_step_plan
 
   def _per_micro(self) -> int:
     """Trajectories per micro-batch."""
@@ -266,9 +276,11 @@ class RLRun:
     return {"sync/bytes": self.sync.bytes_per_sync}
 
   def evaluate(self) -> dict[str, float]:
+    spec = self.exp.eval
     return rollouts.evaluate(self.engine, self.tokenizer, self.task, self.eval_problems,
                              self.exp.prompts, self.exp.rollout.max_new_tokens,
-                             self.exp.rollout.scheduler, pool=self.pool, step=self._step)
+                             self.exp.rollout.scheduler, pool=self.pool, step=self._step,
+                             samples=spec.samples, temperature=spec.temperature)
 
   # ------------------------------------------------------------------ checkpoints
 

@@ -37,8 +37,6 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jaxrl_post import plan
-from jaxrl_post.rl.packing import completion_bucket
 from jaxrl_post.telemetry import read_metrics
 from jaxrl_post.telemetry.alarms import AlarmMonitor
 from jaxrl_post.telemetry.profile import ProfileWindow
@@ -200,15 +198,8 @@ def _flops_per_token(run_) -> float:
 def _train_program_memory(run_) -> dict[str, float]:
   """memory/train_program/* of the train step compiled on abstract inputs (the shapes the
   KV pool is sized beside), per device; {} where it cannot be compiled here."""
-  exp = run_.exp
-  longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
   try:
-    rows, sequences = plan.micro_batch_shape(run_._per_micro(), longest, exp.trainer.row_tokens,
-                                             run_.trainer.batch_shards)
-    step = plan.train_step_memory(run_.model_cfg, exp.trainer, run_.meshes.trainer, rows=rows,
-                                  completion_len=completion_bucket(exp.rollout.max_new_tokens),
-                                  micro_batches=exp.trainer.micro_batches, sequences=sequences,
-                                  reference_dtype=exp.reference.dtype)
+    step = run_.train_step_plan()  # Compiled already where it sized the KV pool.
   except Exception as e:  # Telemetry never stops a run.
     run_.log(f"warning: the train program's memory analysis failed: {type(e).__name__}: {e}")
     return {}

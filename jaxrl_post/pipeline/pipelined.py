@@ -228,14 +228,10 @@ class AsyncRLRun(RLRun):
   def _staleness_hist(self, step: int, groups) -> list[int]:
     """Completion tokens per staleness in optimizer steps: between the weights that
     produced a token and the old policy of step `step` (version step - 1)."""
-    hist = [0] * (self.max_staleness + 1)
-    for g in groups:
-      for c in g.completions:
-        for v in c.versions:
-          age = (step - 1 - v) * self.exp.trainer.minibatches
-          hist.extend([0] * (age + 1 - len(hist)))
-          hist[age] += 1
-    return hist
+    versions = np.concatenate([np.asarray(c.versions, np.int64) for g in groups
+                               for c in g.completions])
+    ages = (step - 1 - versions) * self.exp.trainer.minibatches
+    return np.bincount(ages, minlength=self.max_staleness + 1).tolist()
 
   def _between_decode_calls(self) -> None:
     """In-flight updates: the rollout thread takes the newest published weights between two
@@ -250,7 +246,7 @@ class AsyncRLRun(RLRun):
 
   def _sync(self, step: int) -> dict[str, int]:
     """A fresh rollout copy of the new weights (the engine may still read the old one);
-    handed to the rollout thread once any checkpoint of this step is written."""
+    handed to the rollout thread now, or once this step's checkpoint is written."""
     fresh = self.sync.initial(self.trainer.full_params(self.state))
     self.rollout = RolloutWeights(fresh.params, self.rollout.version + 1)
     jax.block_until_ready(self.rollout.params)

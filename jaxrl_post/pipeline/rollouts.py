@@ -20,7 +20,7 @@ import numpy as np
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.models import Tokenizer
 from jaxrl_post.pipeline import agreement
-from jaxrl_post.rewards import Problem, Task, VerifierPool, VerifierStats
+from jaxrl_post.rewards import Problem, Task, VerifierPool, VerifierStats, at_k
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rollout import Engine, SamplingParams
 from jaxrl_post.rollout.scheduler import Completion, Scheduler, SchedulerConfig
@@ -87,23 +87,22 @@ class Scoring:
     return (self.tag, self.step, index, sample)
 
   def submit(self, index: int, group: Group) -> None:
-    """Queues this process's share of the group (see pipeline/agreement.py)."""
-    k = len(group.completions)  # Every group of a batch has the same size.
+    """Queues the group's samples if this process scores it (pipeline/agreement.py)."""
+    if not agreement.owns(index):
+      return
     for j, c in enumerate(group.completions):
-      if agreement.owns(index * k + j):
-        text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
-        self.pool.submit(self.key(index, j), group.problem, text, step=self.step)
+      text = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+      self.pool.submit(self.key(index, j), group.problem, text, step=self.step)
 
   def results(self, groups: Sequence[Group]) -> tuple[np.ndarray, VerifierStats]:
     """float32 rewards [samples] in `flatten`'s order, the same on every process; blocks
     for the calls still running (and, across processes, for the other processes')."""
     start = time.perf_counter()
-    keys = [(f, self.key(i, j)) for f, (i, j) in enumerate(
-        (i, j) for i, g in enumerate(groups) for j in range(len(g.completions)))]
-    mine = [(f, key) for f, key in keys if agreement.owns(f)]
+    samples = [(i, j) for i, g in enumerate(groups) for j in range(len(g.completions))]
+    mine = [(f, self.key(i, j)) for f, (i, j) in enumerate(samples) if agreement.owns(i)]
     rewards, stats = self.pool.results([key for _, key in mine])
     stats = dataclasses.replace(stats, wait_s=time.perf_counter() - start)
-    return agreement.gather(len(keys), [f for f, _ in mine], rewards, stats)
+    return agreement.gather(len(samples), [f for f, _ in mine], rewards, stats)
 
 
 def flatten(groups: Sequence[Group]) -> tuple[list[Trajectory], list[tuple[float, ...]]]:
@@ -132,31 +131,68 @@ def rollout_metrics(groups: Sequence[Group], seconds: float) -> dict[str, float]
 
 def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequence[Problem],
              prompt_cfg: PromptConfig, max_new_tokens: int, scheduler: SchedulerConfig, *,
-             pool: Optional[VerifierPool] = None, step: int = 0) -> dict[str, float]:
-  """Greedy pass@1 on held-out problems (prompts over the budget are skipped, counted).
+             pool: Optional[VerifierPool] = None, step: int = 0, samples: int = 0,
+             temperature: float = 1.0) -> dict[str, float]:
+  """Greedy pass@1 on held-out problems (prompts over the budget are skipped, counted);
+  with `samples` n > 0 also pass@k and maj@k of n samples per problem at `temperature`
+  (eval/pass@k, eval/maj@k for k = 1, 2, 4, ... n; rewards/at_k.py).
 
   Scored as groups finish, on `pool` (a run's own), or on a default pool for this call.
   """
   if pool is None:
     with VerifierPool(task) as own:
       return evaluate(engine, tokenizer, task, problems, prompt_cfg, max_new_tokens,
-                      scheduler, pool=own, step=step)
+                      scheduler, pool=own, step=step, samples=samples,
+                      temperature=temperature)
   kept, prompts = [], []
   for p in problems:
     ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
     if ids is not None:
       kept.append(p)
       prompts.append(ids)
-  sampling = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
-                            stop_ids=tokenizer.stop_ids)
-  scoring = Scoring(pool, tokenizer, "eval", step)
-  groups = sample_groups(engine, kept, prompts, 1, sampling, scheduler, seed=0, step=0,
+  greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
+                          stop_ids=tokenizer.stop_ids)
+  _, correct, stats = _score_held_out(engine, tokenizer, kept, prompts, 1, greedy, scheduler,
+                                      pool, "eval", step)
+  # Counts only: eval lines must be the same in a resumed run, and timings never are.
+  out = {"eval/accuracy": float(np.mean(correct)) if len(kept) else 0.0,
+         "eval/problems": len(kept), "eval/skipped": len(problems) - len(kept),
+         **{f"eval/{name}": n for name, n in stats.counts().items()}}
+  if samples and kept:
+    sampled = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                             stop_ids=tokenizer.stop_ids)
+    out.update(_at_k(task, tokenizer, *_score_held_out(
+        engine, tokenizer, kept, prompts, samples, sampled, scheduler, pool, "eval/k", step)))
+  return out
+
+
+def _score_held_out(engine, tokenizer, kept, prompts, n, sampling, scheduler, pool, tag,
+                    step) -> tuple[list[Group], np.ndarray, VerifierStats]:
+  """n samples per problem, scored: (groups, per-sample correctness, stats). A composed
+  reward's correctness part, not the shaped total (a format bonus is no solution). The
+  seeds are the same at every evaluation (and in the evaluate CLI): changes between two
+  evaluations are the weights', not the draws'."""
+  scoring = Scoring(pool, tokenizer, tag, step)
+  groups = sample_groups(engine, kept, prompts, n, sampling, scheduler, seed=0, step=0,
                          on_group=scoring.submit)
   rewards, stats = scoring.results(groups)
   if stats.parts and any(p is not None and "correctness" in p for p in stats.parts):
-    # A composed reward: accuracy is pass@1, not the shaped total (format bonus included).
     rewards = [p["correctness"] if p is not None else 0.0 for p in stats.parts]
-  # Counts only: eval lines must be the same in a resumed run, and timings never are.
-  return {"eval/accuracy": float(np.mean(rewards)) if len(kept) else 0.0,
-          "eval/problems": len(kept), "eval/skipped": len(problems) - len(kept),
-          **{f"eval/{name}": n for name, n in stats.counts().items()}}
+  return groups, np.asarray(rewards, np.float64), stats
+
+
+def _at_k(task: Task, tokenizer: Tokenizer, groups: Sequence[Group], correct: np.ndarray,
+          stats: VerifierStats) -> dict[str, float]:
+  n = len(groups[0].completions)
+  solved = correct.reshape(len(groups), n) >= 1.0 - 1e-6  # A problem solved, not credit.
+  out: dict[str, float] = {"eval/k_samples": n, "eval/k_timeouts": stats.timeouts}
+  for k in at_k.ks_for(n):
+    out[f"eval/pass@{k}"] = float(np.mean([at_k.pass_at_k(n, int(row.sum()), k)
+                                            for row in solved]))
+  answers = [[at_k.final_answer(task, tokenizer.decode(c.tokens, skip_special_tokens=True))
+              for c in g.completions] for g in groups]
+  if any(a is not None for row in answers for a in row):  # The task says what answers are.
+    for k in at_k.ks_for(n):
+      out[f"eval/maj@{k}"] = float(np.mean([at_k.majority_solves(row[:k], s[:k])
+                                            for row, s in zip(answers, solved)]))
+  return out

@@ -106,6 +106,11 @@ class ArithmeticTask:
     value = last_number(completion)
     return 1.0 if value is not None and value == int(problem.answer) else 0.0
 
+  def final_answer(self, completion: str) -> str | None:
+    """The completion's answer for majority votes (maj@k): its last number."""
+    value = last_number(completion)
+    return None if value is None else str(value)
+
   @property
   def skipped(self) -> dict[str, int]:
     return {}

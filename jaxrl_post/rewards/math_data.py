@@ -139,6 +139,13 @@ class JsonlTask:
     """1.0 iff math-verify finds the completion's answer equivalent to the gold answer."""
     return 1.0 if math_equal(problem.answer, completion) else 0.0
 
+  def final_answer(self, completion: str) -> str | None:
+    """The completion's answer for majority votes (maj@k), as math-verify parses it."""
+    import math_verify
+
+    parsed = math_verify.parse(completion, parsing_timeout=None)
+    return str(parsed[0]) if parsed else None
+
   @property
   def skipped(self) -> dict[str, int]:
     return dict(self._skipped)

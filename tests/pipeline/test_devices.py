@@ -99,6 +99,7 @@ def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path, baseline):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # The verifier test below runs two processes against one as well.
 def test_two_processes_write_the_metrics_of_one_process(tmp_path, baseline):
   port = free_port()
   workdir = tmp_path / "multi"
@@ -123,43 +124,57 @@ def test_two_processes_write_the_metrics_of_one_process(tmp_path, baseline):
 @pytest.mark.slow
 def test_a_verifier_timing_out_on_one_process_is_one_value_on_both(tmp_path):
   """Process 1's verifier times out on every call, process 0's never does. Each process
-  scores its half of the samples and the outcomes are gathered, so both train on the same
-  rewards (and finish); process 0's metrics count every one of process 1's timeouts."""
+  scores its groups (prompts) and the outcomes are gathered, so both train on the same
+  rewards, and the run writes the metrics of one process x 8 devices whose verifier times
+  out on exactly the problems process 1 scored."""
   task = "".join(f"SlowArithmeticTask.{line}\n" for line in (
       "min_operand = 0", "max_operand = 49", "operators = ('+',)",
       "template = '{a}{op}{b}='", "num_eval = 200"))
   gin_file = tmp_path / "slow.gin"
   gin_file.write_text(f"include '{QUICKSTART}'\nimport tests.pipeline.slow_verifier\n"
                       f"Experiment.task = @SlowArithmeticTask()\n{task}"
-                      "RewardSpec.timeout_s = 1.0\n")
-  port, workdir = free_port(), tmp_path / "multi"
+                      "RewardSpec.timeout_s = 1.0\nRewardSpec.workers = 4\n")
+  cmd = lambda workdir, extra=(): [
+      c if not c.startswith("--gin_file=") else f"--gin_file={gin_file}"
+      for c in _cmd(workdir, ["--gin_param=Experiment.steps = 1", *extra])]
+  port, multi = free_port(), tmp_path / "multi"
   procs = []
   for i in range(2):
     env = dict(_env(4), **({"JAXRL_TEST_SLOW_VERIFIER": "1"} if i == 1 else {}))
-    cmd = [c if not c.startswith("--gin_file=") else f"--gin_file={gin_file}"
-           for c in _cmd(workdir, [f"--coordinator_address=127.0.0.1:{port}",
-                                   "--num_processes=2", f"--process_id={i}"])]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
+    procs.append(subprocess.Popen(cmd(multi, [f"--coordinator_address=127.0.0.1:{port}",
+                                              "--num_processes=2", f"--process_id={i}"]),
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
+  outs = []
   for p in procs:
     try:
-      _, err = p.communicate(timeout=900)
+      outs.append(p.communicate(timeout=900))
     except subprocess.TimeoutExpired:
       for q in procs:
         q.kill()
       pytest.fail("two-process run timed out")
-    assert p.returncode == 0, err[-3000:]
-  records = read_metrics(str(workdir / "metrics.jsonl"))
-  assert [r["step"] for r in records] == [0, 1, 2]
-  for r in records[1:]:  # 4 prompts x 4 samples; process 1 scores the odd half.
-    assert (r["verifier/samples"], r["verifier/timeouts"]) == (16, 8)
-  for r in (records[0], records[-1]):  # Greedy pass@1 on 8 problems: 4 are process 1's.
+    assert p.returncode == 0, outs[-1][1][-3000:]
+  # Process 0 alone prints and writes the run's files; checkpoints are written together.
+  assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
+  assert sorted(os.listdir(multi / "checkpoints")) == ["0", "1"]
+  records = read_metrics(str(multi / "metrics.jsonl"))
+  assert [r["step"] for r in records] == [0, 1]
+  # 4 prompts x 4 samples; process 1 scores groups 1 and 3.
+  assert (records[1]["verifier/samples"], records[1]["verifier/timeouts"]) == (16, 8)
+  for r in records:  # Greedy pass@1 on 8 problems: 4 are process 1's.
     assert (r["eval/problems"], r["eval/timeouts"]) == (8, 4)
   dead = [json.loads(line) for line in
-          (workdir / "dead_letter.process1.jsonl").read_text().splitlines()]
-  assert len(dead) == 2 * 8 + 2 * 4 and {d["type"] for d in dead} == {"timeout"}
-  assert not (workdir / "dead_letter.jsonl").exists() or \
-      not (workdir / "dead_letter.jsonl").read_text().strip()
+          (multi / "dead_letter.process1.jsonl").read_text().splitlines()]
+  assert len(dead) == 8 + 2 * 4 and {d["type"] for d in dead} == {"timeout"}
+  assert not (multi / "dead_letter.jsonl").exists() or \
+      not (multi / "dead_letter.jsonl").read_text().strip()
+  # One process whose verifier times out on those problems writes the same metrics.
+  slow = ",".join(sorted({d["problem_id"] for d in dead}))
+  env = dict(_env(8), JAXRL_TEST_SLOW_PROBLEMS=slow)
+  done = subprocess.run(cmd(tmp_path / "single"), env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  _close(records, read_metrics(str(tmp_path / "single" / "metrics.jsonl")))
 
 
 def _gsm8k_files(directory) -> None:
