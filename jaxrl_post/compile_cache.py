@@ -18,9 +18,9 @@ same config compiles nothing; jax's own `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_S
 bounded (DEFAULT_MAX_BYTES, least recently used entries go first; jax's own
 `JAX_COMPILATION_CACHE_MAX_SIZE`, when set, wins). The bound is also what makes the cache
 safe to share: only with one does jax take the directory's file lock around each read and
-write. Unbounded, an entry is written in place, and a process (or a second thread, as in
-the asynchronous driver) that reads it half-written crashes deserialising it. Deleting
-the directory is always safe.
+write. Unbounded, an entry is written in place with no lock, so another process (or a
+second thread, as in the asynchronous driver) may read it half-written and hand XLA a
+truncated executable to deserialise. Deleting the directory is always safe.
 """
 
 from __future__ import annotations

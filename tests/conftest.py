@@ -31,6 +31,17 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+@pytest.fixture(autouse=True)
+def _commands_run_here_compile_without_the_cache(request, monkeypatch):
+  """A command's main() called in this process (train.main, evaluate.main, ...) keeps the
+  cache off too; tests marked `compilation_cache` exercise the cache itself."""
+  if request.node.get_closest_marker("compilation_cache") is None:
+    from jaxrl_post import compile_cache
+
+    real = compile_cache.enable
+    monkeypatch.setattr(compile_cache, "enable", lambda flag=None: real("off"))
+
+
 def pytest_collection_modifyitems(config, items):
   if jax.default_backend() == "gpu":
     return

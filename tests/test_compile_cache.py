@@ -14,6 +14,8 @@ from jaxrl_post import compile_cache
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.telemetry import read_metrics
 
+pytestmark = pytest.mark.compilation_cache  # The real `enable`, in this process too.
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
