@@ -95,6 +95,8 @@ def run(args) -> dict[str, Any]:
   exp = dataclasses.replace(bench_step.experiment(w), steps=args.steps)
   vocab = bench_step.MODELS[w.model].overrides.get("vocab_size", 1024)
   stops = stop_tokens(vocab, args.stop_tokens)
+  engine = dataclasses.replace(exp.rollout.engine, max_stop_ids=max(len(stops), 1))
+  exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, engine=engine))
   spec = AsyncSpec(mode=args.mode, max_staleness=args.max_staleness)
   with tempfile.TemporaryDirectory() as tmp:
     sync = one_run(exp, AsyncSpec(), stops, args.warmup, os.path.join(tmp, "sync"))
