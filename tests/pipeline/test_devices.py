@@ -63,6 +63,26 @@ def _close(got: list[dict], want: list[dict]) -> None:
         assert g[key] == w[key], (g["step"], key)
 
 
+def _two_processes(command, envs) -> list[tuple[str, str]]:
+  """Runs command(extra flags) as processes 0 and 1 of one jax.distributed job, process i
+  with envs[i]; their (stdout, stderr), once both exited 0."""
+  port = free_port()
+  procs = [subprocess.Popen(command([f"--coordinator_address=127.0.0.1:{port}",
+                                     "--num_processes=2", f"--process_id={i}"]),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i, env in enumerate(envs)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=900))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail("two-process run timed out")
+    assert p.returncode == 0, outs[-1][1][-3000:]
+  return outs
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
   """The default-placement run's metrics on n devices, each run once for this module."""
@@ -101,21 +121,8 @@ def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path, baseline):
 @pytest.mark.slow
 @pytest.mark.sweep  # The verifier test below runs two processes against one as well.
 def test_two_processes_write_the_metrics_of_one_process(tmp_path, baseline):
-  port = free_port()
   workdir = tmp_path / "multi"
-  procs = [subprocess.Popen(_cmd(workdir, [f"--coordinator_address=127.0.0.1:{port}",
-                                           "--num_processes=2", f"--process_id={i}"]),
-                            env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=900))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("two-process run timed out")
-    assert p.returncode == 0, outs[-1][1][-3000:]
+  outs = _two_processes(lambda extra: _cmd(workdir, extra), [_env(4), _env(4)])
   assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
   assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "2"]
   _close(read_metrics(str(workdir / "metrics.jsonl")), baseline(8))
@@ -137,23 +144,9 @@ def test_a_verifier_timing_out_on_one_process_is_one_value_on_both(tmp_path):
   cmd = lambda workdir, extra=(): [
       c if not c.startswith("--gin_file=") else f"--gin_file={gin_file}"
       for c in _cmd(workdir, ["--gin_param=Experiment.steps = 1", *extra])]
-  port, multi = free_port(), tmp_path / "multi"
-  procs = []
-  for i in range(2):
-    env = dict(_env(4), **({"JAXRL_TEST_SLOW_VERIFIER": "1"} if i == 1 else {}))
-    procs.append(subprocess.Popen(cmd(multi, [f"--coordinator_address=127.0.0.1:{port}",
-                                              "--num_processes=2", f"--process_id={i}"]),
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True))
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=900))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      pytest.fail("two-process run timed out")
-    assert p.returncode == 0, outs[-1][1][-3000:]
+  multi = tmp_path / "multi"
+  outs = _two_processes(lambda extra: cmd(multi, extra),
+                        [_env(4), dict(_env(4), JAXRL_TEST_SLOW_VERIFIER="1")])
   # Process 0 alone prints and writes the run's files; checkpoints are written together.
   assert "held-out accuracy:" in outs[0][0] and "held-out accuracy:" not in outs[1][0]
   assert sorted(os.listdir(multi / "checkpoints")) == ["0", "1"]
