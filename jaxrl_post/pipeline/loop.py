@@ -83,6 +83,7 @@ class RLRun:
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
     self._initial_params = params
     self._step = 0  # The last step run: labels eval calls in the dead-letter file.
+    self._train_step_plan = None  # train_step_plan(), compiled on first use.
     # Started last (workers come up while the run restores or warms up). Each process
     # scores its share of the samples (pipeline/agreement.py), so each records its own
     # failed calls; process 0 alone writes the other files but checkpoints.
@@ -182,7 +183,7 @@ class RLRun:
   def train_step_plan(self):
     """The train step compiled on abstract inputs of the largest micro-batch (its memory
     analysis sizes the KV pool and goes into the run's telemetry); compiled once."""
-    if getattr(self, "_train_step_plan", None) is None:
+    if self._train_step_plan is None:
       exp = self.exp
       longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
       rows, sequences = plan.micro_batch_shape(self._per_micro(), longest,
