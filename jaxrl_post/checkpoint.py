@@ -11,6 +11,10 @@ place only once every item is complete, so a save cut off mid-write (a killed pr
 a temporary directory that is never listed as a step, and is deleted on the next start.
 Saves are asynchronous: the arrays are copied off the devices, then written by a background
 thread while training continues.
+
+With the trainer on some processes only (split placement across processes), those processes
+save and restore (Orbax's active processes), and the others receive what they read -- the
+latest step, the meta record -- from them; they hold no part of the arrays.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.sharding import hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,27 +52,54 @@ class CheckpointConfig:
 
 
 class Checkpointer:
-  """Saves and restores (state, reference, meta) triples in `directory`."""
+  """Saves and restores (state, reference, meta) triples in `directory`.
 
-  def __init__(self, directory: str, cfg: CheckpointConfig = CheckpointConfig()):
+  holders: the mesh whose devices hold the arrays (the trainer's). Where some processes
+    hold none of its devices, only those that do call Orbax.
+  """
+
+  def __init__(self, directory: str, cfg: CheckpointConfig = CheckpointConfig(),
+               holders: Optional[Mesh] = None):
     self.cfg = cfg
     self.directory = os.path.abspath(directory)
+    self._mesh = None if holders is None or hosts.everywhere(holders) else holders
+    self._active = self._mesh is None or hosts.holds(self._mesh)
+    # Orbax refuses arrays that one process holds whole in a multi-process job (it takes
+    # them for pmap's per-host arrays): a sole holder saves host copies.
+    self._host_copies = self._mesh is not None and len(hosts.processes(self._mesh)) == 1
+    processes = None if self._mesh is None else hosts.processes(self._mesh)
+    multi = ocp.options.MultiprocessingOptions(
+        primary_host=0 if processes is None else min(processes),
+        active_processes=None if processes is None else set(processes))
+    if processes is not None and self._active:
+      os.makedirs(self.directory, exist_ok=True)  # Orbax creates it only for all processes.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
-        cleanup_tmp_directories=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("state", "reference", "rollout", "meta"))
+        max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+        create=processes is None, cleanup_tmp_directories=True,
+        multiprocessing_options=multi)
+    self._manager = (ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=("state", "reference", "rollout", "meta"))
+                     if self._active else None)
+
+  def _shared(self, read):
+    """read() on the holders, its value on every process (collective when split)."""
+    value = read() if self._active else None
+    return value if self._mesh is None else hosts.share(value, self._mesh)
 
   def latest_step(self) -> Optional[int]:
     """The newest complete checkpoint's step (None if there is none)."""
-    return self._manager.latest_step()
+    return self._shared(lambda: self._manager.latest_step())
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return list(self._shared(lambda: list(self._manager.all_steps())))
 
   def save(self, step: int, state: Any, meta: dict, reference: Any = None,
            rollout: Any = None) -> None:
     """Starts saving; returns once the arrays are off the devices (async mode)."""
+    if not self._active:
+      return
+    if self._host_copies:
+      state, reference, rollout = jax.device_get((state, reference, rollout))
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     for name, tree in (("reference", reference), ("rollout", rollout)):
       if tree is not None:
@@ -74,16 +108,28 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any, abstract_reference: Any = None):
     """(state, reference, meta) of `step`, placed as the abstract trees' shardings say."""
-    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    if not self._active:  # Arrays this process cannot read; the record from the holders.
+      reference = None if abstract_reference is None else _unreadable(abstract_reference)
+      return _unreadable(abstract_state), reference, self._shared(None)
+    wanted = (abstract_state, abstract_reference)
+    if self._host_copies:
+      wanted = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), wanted)
+    items = {"state": ocp.args.StandardRestore(wanted[0]), "meta": ocp.args.JsonRestore()}
     if abstract_reference is not None:
-      items["reference"] = ocp.args.StandardRestore(abstract_reference)
+      items["reference"] = ocp.args.StandardRestore(wanted[1])
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except (ValueError, KeyError, FileNotFoundError) as e:
       raise UserError(f"{self.directory}/{step}: checkpoint does not match this run's "
                       f"config ({str(e).splitlines()[0]})") from e
+    state, meta = out["state"], self._shared(lambda: out["meta"])
     reference = out["reference"] if abstract_reference is not None else None
-    return out["state"], reference, out["meta"]
+    if self._host_copies:
+      place = lambda tree, like: jax.tree.map(lambda x, a: jax.device_put(x, a.sharding),
+                                              tree, like)
+      state = place(state, abstract_state)
+      reference = None if reference is None else place(reference, abstract_reference)
+    return state, reference, meta
 
   def restore_rollout(self, step: int, abstract_rollout: Any) -> Any:
     """The rollout weights saved with `step`, placed as `abstract_rollout` says; None when
@@ -100,11 +146,21 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the last save is on disk."""
-    self._manager.wait_until_finished()
+    if self._manager is not None:
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+
+
+def _unreadable(abstract: Any) -> Any:
+  """Arrays of the abstract tree's shapes and shardings on a process that holds none of
+  their devices (jax runs nothing here, so they cost nothing)."""
+  return jax.tree.map(
+      lambda a: jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)(),
+      abstract)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -54,6 +54,12 @@ class Meshes:
   def colocated(self) -> bool:
     return set(self.trainer.devices.flat) == set(self.rollout.devices.flat)
 
+  @property
+  def on_every_process(self) -> bool:
+    """Whether every process holds devices of both roles (always so on one process)."""
+    processes = lambda mesh: {d.process_index for d in mesh.devices.flat}
+    return processes(self.trainer) == processes(self.rollout) == set(range(jax.process_count()))
+
 
 def build_meshes(cfg: PlacementConfig,
                  devices: Optional[Sequence[jax.Device]] = None) -> Meshes:

@@ -6,7 +6,8 @@ and donates the previous rollout buffers so XLA writes the new weights into them
 
 Split: the cast and reshard run on the trainer's devices into a mirror of the rollout
 layout, then each shard is copied device-to-device to the rollout device that holds the
-same slice. The host never sees a byte in either case.
+same slice; with the roles on different processes, as one collective program
+(sharding/hosts.py). The host never sees a byte in any case.
 
 With LoRA, `PartialSync` moves the adapters only: the rollout keeps its own copy of the
 frozen base, made once, and receives just the adapters at each sync.
@@ -24,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.sharding import hosts
 from jaxrl_post.sharding.mesh import AXES
 from jaxrl_post.sharding.placement import Meshes
 from jaxrl_post.sharding.rules import ROLLOUT_RULES, TRAINING_RULES, Rules, tree_shardings
@@ -68,10 +70,7 @@ def _copy_shards(x: jax.Array, target: NamedSharding) -> jax.Array:
   shards = {_index_key(s.index): s.data for s in x.addressable_shards}
   arrays = []
   for device, index in target.addressable_devices_indices_map(x.shape).items():
-    source = shards.get(_index_key(index))
-    if source is None:
-      raise UserError("split placement: a rollout shard lives on another process; "
-                      "use colocated placement across hosts")
+    source = shards[_index_key(index)]
     arrays.append(jax.device_put(source, device))
   return jax.make_array_from_single_device_arrays(x.shape, target, arrays)
 
@@ -106,7 +105,7 @@ class WeightSync:
                            out_shardings=self.rollout_shardings, donate_argnums=1,
                            keep_unused=True)
     else:
-      mirror = _mirror_mesh(meshes.rollout, list(meshes.trainer.devices.flat))
+      mirror = self._mirror = _mirror_mesh(meshes.rollout, list(meshes.trainer.devices.flat))
       self._mirror_shardings = jax.tree.map(lambda s: NamedSharding(mirror, s.spec),
                                             self.rollout_shardings)
       self._first = jax.jit(cast, in_shardings=(self.train_shardings,),
@@ -139,6 +138,8 @@ class WeightSync:
   def _place(self, params):
     if self.meshes.colocated:
       return params
+    if jax.process_count() > 1:  # A slice's source may be on another process.
+      return hosts.transfer(params, self.rollout_shardings, self._mirror, self.meshes.rollout)
     return jax.tree.map(_copy_shards, params, self.rollout_shardings)
 
   def compiled_text(self, train_params, rollout_params) -> str:

@@ -16,13 +16,13 @@ One process: the samples are all its own and nothing is gathered.
 from __future__ import annotations
 
 import dataclasses
-import pickle
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
 from jaxrl_post.rewards import VerifierStats
+from jaxrl_post.sharding.hosts import allgather_objects
 
 
 def owner(group: int) -> int:
@@ -65,17 +65,3 @@ def _merge(stats: Sequence[VerifierStats], wait_s: float) -> VerifierStats:
                        timeouts=sum(s.timeouts for s in stats),
                        crashes=sum(s.crashes for s in stats), error_types=types,
                        busy_s=sum(s.busy_s for s in stats), wait_s=wait_s)
-
-
-def allgather_objects(obj: Any) -> list[Any]:
-  """Each process's picklable `obj`, in process order, on every process."""
-  from jax.experimental import multihost_utils
-
-  data = np.frombuffer(pickle.dumps(obj), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
-  sizes = sizes.reshape(-1)
-  width = 1 << max(int(sizes.max()) - 1, 1).bit_length()  # Few shapes: few compilations.
-  padded = np.zeros(width, np.uint8)
-  padded[:data.size] = data
-  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
-  return [pickle.loads(rows[p, :int(sizes[p])].tobytes()) for p in range(len(sizes))]

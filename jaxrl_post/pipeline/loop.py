@@ -74,13 +74,19 @@ class RLRun:
     self.task = exp.task
     self.eval_problems = _eval_problems(self.task, exp.eval.num_problems)
     self.meshes = build_meshes(exp.placement)
+    if not self.meshes.on_every_process and exp.sync.every_n_steps > 1:
+      raise UserError("placement: with the trainer and the rollout on different processes "
+                      "each sync must follow its step (the rollout's lagging weights live "
+                      "where nothing is checkpointed): SyncConfig.every_n_steps = 1, got "
+                      f"{exp.sync.every_n_steps}")
     self.trainer = Trainer(self.model_cfg, exp.trainer, mesh=self.meshes.trainer)
     self.prompts = PromptStream(self.task.split("train"), self.tokenizer, exp.prompts,
                                 seed=exp.seed)
     self.sampling = SamplingParams(exp.rollout.temperature, exp.rollout.top_k,
                                    exp.rollout.top_p, exp.rollout.max_new_tokens,
                                    self.tokenizer.stop_ids)
-    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint)
+    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), exp.checkpoint,
+                                     holders=self.meshes.trainer)
     self._initial_params = params
     self._step = 0  # The last step run: labels eval calls in the dead-letter file.
     self._train_step_plan = None  # train_step_plan(), compiled on first use.
@@ -114,7 +120,7 @@ class RLRun:
       return params
     params, metrics = warm_up(self.model_cfg, params, self.task, self.tokenizer,
                               self.exp.sft, self.exp.prompts, self.exp.rollout.max_new_tokens,
-                              self.exp.seed, self.log)
+                              self.exp.seed, self.log, mesh=self.meshes.trainer)
     progress.counters.update(metrics)  # Step 0's metrics: sft/final_loss, sft/steps, ...
     return params
 
@@ -169,10 +175,12 @@ class RLRun:
     if cfg.max_seq_len is None:
       cfg = dataclasses.replace(cfg, max_seq_len=longest)
     pool = cfg.pool
+    if (pool.num_pages is not None or pool.memory_bytes is not None
+        or not self.meshes.colocated):
+      return cfg
     local = [d for d in self.meshes.rollout.devices.flat if d.process_index == jax.process_index()]
     free = free_device_bytes(local[0])  # Memory stats exist only for this process's devices.
-    if (pool.num_pages is not None or pool.memory_bytes is not None or free is None
-        or not self.meshes.colocated):
+    if free is None:
       return cfg
     step = self.train_step_plan()
     budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
@@ -216,7 +224,7 @@ class RLRun:
       batches = pack_rollouts(self.trainer, trajs, behaviour)
     with timer.role("train"):  # Per minibatch one program: reference, loss, update, metrics.
       self.state, history = self.trainer.update(self.state, batches, scores, self.ref)
-      history = fetch_metrics(history)  # The step's one wait for the devices.
+      history = fetch_metrics(history, self.meshes.trainer)  # The step's one wait.
     with timer.role("sync"):
       metrics.update(self._sync(step))
     metrics.update(_train_metrics(history), **batch.stats.as_metrics(), **shaping)

@@ -35,6 +35,8 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+import math
+
 import jax
 
 from jaxrl_post.telemetry import read_metrics
@@ -147,8 +149,9 @@ class _DecodeCounter:
     self.page_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.pool)) / max(pages, 1)
     # Every device reads its own copy or shard of the weights each decode step (replicas
     # included), so the weights count once per device.
-    self.weight_bytes = self.devices * sum(x.addressable_shards[0].data.nbytes
-                                           for x in jax.tree.leaves(engine.params))
+    self.weight_bytes = self.devices * sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(engine.params))
     self.counting = True
     self.reset()
     launch, prefill, evaluate = engine.launch, engine.prefill_batch, run_.evaluate

@@ -171,14 +171,19 @@ class AsyncRLRun(RLRun):
   """RLRun whose batches come from the rollout thread (see the module docstring)."""
 
   def __init__(self, exp, workdir: str, log=print):
+    if exp.sync.every_n_steps != 1:
+      raise UserError("async spec: asynchronous modes sync the weights every step "
+                      f"(SyncConfig.every_n_steps = 1), got {exp.sync.every_n_steps}")
+    if jax.process_count() > 1:
+      # The rollout thread's programs and the trainer's both hold cross-process
+      # collectives; two threads would launch them in different orders on different hosts.
+      raise UserError(f"async spec: asynchronous modes run in one process (this job has "
+                      f"{jax.process_count()}); use AsyncSpec.mode = 'sync' across hosts")
     super().__init__(exp, workdir, log)
     spec = exp.asynchronous
     self.lag = spec.lag(exp.trainer.minibatches)
     self.max_staleness = (spec.max_staleness if spec.mode == "bounded"
                           else self.lag * exp.trainer.minibatches)
-    if exp.sync.every_n_steps != 1:
-      raise UserError("async spec: asynchronous modes sync the weights every step "
-                      f"(SyncConfig.every_n_steps = 1), got {exp.sync.every_n_steps}")
     self.in_flight = spec.weight_updates == "in_flight"
     self.ahead: Optional[_Ahead] = None
     self.counters = {"async/dropped_groups": 0}

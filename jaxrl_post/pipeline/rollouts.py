@@ -24,6 +24,7 @@ from jaxrl_post.rewards import Problem, Task, VerifierPool, VerifierStats, at_k
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rollout import Engine, SamplingParams
 from jaxrl_post.rollout.scheduler import Completion, Scheduler, SchedulerConfig
+from jaxrl_post.sharding import hosts
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -50,7 +51,18 @@ def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence
   so the samples are the same; stepping it here lets `on_group(i, group)` run as soon as
   prompt i's samples are all done, while the others still decode. `between_calls()` runs
   before each scheduler step: where new weights may enter the engine mid-batch.
+
+  A process that holds none of the engine's devices (split placement across processes)
+  receives the groups from the rollout's processes once they are done, then calls
+  `on_group` for each. Collective in that case.
   """
+  mesh = engine.layout.mesh
+  if not hosts.holds(mesh):
+    groups = hosts.share(None, mesh)
+    for i, group in enumerate(groups):
+      if on_group is not None:
+        on_group(i, group)
+    return groups
   sched = Scheduler(engine, scheduler)
   rids = [sched.submit(tuple(ids), sampling, n=k, seed=request_seed(seed, step, i))
           for i, ids in enumerate(prompts)]
@@ -64,7 +76,8 @@ def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence
       if left[rid] == 0 and on_group is not None:
         i = index[rid]
         on_group(i, Group(problems[i], list(prompts[i]), sched.results[rid]))
-  return [Group(p, list(ids), sched.results[rid]) for p, ids, rid in zip(problems, prompts, rids)]
+  return hosts.share([Group(p, list(ids), sched.results[rid])
+                      for p, ids, rid in zip(problems, prompts, rids)], mesh)
 
 
 @dataclasses.dataclass(frozen=True)

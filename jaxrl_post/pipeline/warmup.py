@@ -7,11 +7,13 @@ the step-0 checkpoint).
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.errors import UserError
@@ -21,6 +23,7 @@ from jaxrl_post.rewards import Task
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rl.sft import SftConfig, SftTrainer
 from jaxrl_post.rl.trainer import merge_params, pack_micro_batches
+from jaxrl_post.sharding import hosts
 
 
 def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: int,
@@ -41,8 +44,11 @@ def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: 
 
 def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokenizer,
             cfg: SftConfig, prompt_cfg: PromptConfig, max_new_tokens: int, seed: int,
-            log: Callable[[str], None]) -> tuple[dict, dict]:
+            log: Callable[[str], None], mesh: Optional[Mesh] = None) -> tuple[dict, dict]:
   """Runs cfg.steps supervised steps; returns (parameters, metrics).
+
+  mesh: the trainer's, where `params` live: every host value (losses, the accuracy probe)
+  is read through `hosts.fetch`, so a process holding none of its devices gets them too.
 
   With LoRA the warm-up trains the base and leaves the adapters as initialised (B = 0, a
   no-op), so RL starts from the warmed-up model, which is also its reference.
@@ -54,7 +60,9 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
     adapters, params = split_adapters(params)
   opt_state = trainer.init(params)
   rng = np.random.default_rng([seed, 0x5F7])
-  probe = _accuracy_probe(trainer, task, tokenizer, cfg, prompt_cfg, max_new_tokens, seed)
+  read = jax.device_get if mesh is None else functools.partial(hosts.fetch, mesh=mesh)
+  probe = _accuracy_probe(trainer, task, tokenizer, cfg, prompt_cfg, max_new_tokens, seed,
+                          read)
   every = max(1, cfg.steps // 5)
   losses, accuracy = [], None
   for step in range(1, cfg.steps + 1):
@@ -65,20 +73,20 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
     losses.append(loss)  # Read on the host only where a stop test needs it, or to log.
     done = None
     if cfg.stop_loss is not None and len(losses) >= cfg.stop_window:
-      if float(np.mean(losses[-cfg.stop_window:])) < cfg.stop_loss:
+      if float(np.mean(read(losses[-cfg.stop_window:]))) < cfg.stop_loss:
         done = f"mean of the last {cfg.stop_window} below {cfg.stop_loss}"
     if probe is not None and step % cfg.stop_window == 0:
       accuracy = probe(params, adapters)
       if accuracy >= cfg.stop_accuracy:
         done = f"greedy accuracy {accuracy:.3f} >= {cfg.stop_accuracy}"
     if step % every == 0 or step == cfg.steps or done:
-      log(f"warm-up step {step}/{cfg.steps}: loss {float(loss):.4f}"
+      log(f"warm-up step {step}/{cfg.steps}: loss {float(read(loss)):.4f}"
           + (f" ({done}: done)" if done else ""))
     if done:
       break
   if adapters is not None:
     params = merge_params(params, adapters)
-  metrics = {"sft/final_loss": float(losses[-1]) if losses else float("nan"),
+  metrics = {"sft/final_loss": float(read(losses[-1])) if losses else float("nan"),
              "sft/steps": len(losses)}
   if accuracy is not None:
     metrics["sft/greedy_accuracy"] = accuracy
@@ -86,7 +94,7 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
 
 
 def _accuracy_probe(trainer: SftTrainer, task: Task, tokenizer: Tokenizer, cfg: SftConfig,
-                    prompt_cfg: PromptConfig, max_new_tokens: int, seed: int):
+                    prompt_cfg: PromptConfig, max_new_tokens: int, seed: int, read):
   """None without cfg.stop_accuracy; else (params, adapters) -> greedy accuracy on a fixed
   draw of training problems, packed once."""
   if cfg.stop_accuracy is None:
@@ -99,5 +107,5 @@ def _accuracy_probe(trainer: SftTrainer, task: Task, tokenizer: Tokenizer, cfg: 
   inputs, = pack_micro_batches(examples, [list(range(len(examples)))], cfg.row_tokens,
                                max_new_tokens)
   return lambda params, adapters: float(
-      np.sum(trainer.greedy_matches(params, inputs, adapters))) / len(examples)
+      np.sum(read(trainer.greedy_matches(params, inputs, adapters)))) / len(examples)
 

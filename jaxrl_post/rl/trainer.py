@@ -56,6 +56,7 @@ from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, head_b
                                    head_tokens, pack, pad_rows, pad_trajectories,
                                    with_head_layout)
 from jaxrl_post.rl.value import terminal_rewards, value_loss
+from jaxrl_post.sharding import hosts
 from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, logical_to_spec,
                                  tree_shardings)
 
@@ -482,10 +483,12 @@ class Trainer:
     return state, history
 
 
-def fetch_metrics(history: Sequence[dict]) -> list[dict]:
+def fetch_metrics(history: Sequence[dict], mesh=None) -> list[dict]:
   """Device metrics of a step's optimizer steps on the host, in one transfer: Python
-  floats, ints and bools, and lists for histograms."""
-  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in jax.device_get(history)]
+  floats, ints and bools, and lists for histograms. With the trainer's `mesh`, also on a
+  process that holds none of its devices (sharding/hosts.py)."""
+  got = jax.device_get(history) if mesh is None else hosts.fetch(history, mesh)
+  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in got]
 
 
 def rollout_batch_metrics(rewards, group_size: Optional[int] = None) -> dict:

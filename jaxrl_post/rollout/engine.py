@@ -382,7 +382,8 @@ def _placed(x, sharding):
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return jax.jit(lambda a: a, out_shardings=sharding)(x)
   host = np.asarray(x)
-  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                      dtype=host.dtype)
 
 
 def _chunk_width(tokens: int) -> int:

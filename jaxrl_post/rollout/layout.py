@@ -60,8 +60,11 @@ class RolloutLayout:
 
   @property
   def local_device(self) -> jax.Device:
-    """A device of this mesh that this process drives (memory stats exist only for those)."""
-    return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+    """A device of this mesh that this process drives (memory stats exist only for those).
+    A process that drives none (split placement across processes) never runs the engine's
+    programs, and sizes its idle copy by one of its own devices."""
+    return next((d for d in self.mesh.devices.flat if d.process_index == jax.process_index()),
+                jax.local_devices()[0])
 
   @property
   def multi_process(self) -> bool:
@@ -116,7 +119,7 @@ class RolloutLayout:
 
 def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
   # make_array_from_callback works across processes: each places its addressable shards.
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index], dtype=x.dtype)
 
 
 def shard_count(num_slots: int, data_shards: int, block: int) -> int:

@@ -106,14 +106,16 @@ def test_default_placement_gives_the_one_device_run_on(devices, baseline):
   _close(runs[devices], runs[1])
 
 
+SPLIT = ["--gin_param=PlacementConfig.mode = 'split'",
+         "--gin_param=PlacementConfig.trainer_devices = 4",
+         "--gin_param=rollout_mesh/MeshConfig.data = 2",
+         "--gin_param=rollout_mesh/MeshConfig.tensor = 2"]
+
+
 @pytest.mark.slow
 def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path, baseline):
   """4 devices train (FSDP), 4 roll out (data 2 x tensor 2); sync reshards between them."""
-  split = ["--gin_param=PlacementConfig.mode = 'split'",
-           "--gin_param=PlacementConfig.trainer_devices = 4",
-           "--gin_param=rollout_mesh/MeshConfig.data = 2",
-           "--gin_param=rollout_mesh/MeshConfig.tensor = 2"]
-  records = _run(tmp_path / "split", 8, split)
+  records = _run(tmp_path / "split", 8, SPLIT)
   assert records[-1]["weight_version"] == 2
   _close(records, baseline(1))
 
@@ -168,6 +170,52 @@ def test_a_verifier_timing_out_on_one_process_is_one_value_on_both(tmp_path):
                         timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   _close(records, read_metrics(str(tmp_path / "single" / "metrics.jsonl")))
+
+
+# Trainer devices 2 (process 0's first two) against a rollout mesh of 6 over both processes:
+# each sync sends from the 2 trainer devices in 3 rounds.
+SPLIT_UNEVEN = ["--gin_param=PlacementConfig.mode = 'split'",
+                "--gin_param=PlacementConfig.trainer_devices = 2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [SPLIT, pytest.param(SPLIT_UNEVEN, marks=pytest.mark.sweep)],
+                         ids=["4_and_4", "2_and_6"])
+def test_split_placement_across_processes_writes_the_metrics_of_one_process(tmp_path,
+                                                                            baseline, split):
+  """Process 0's 4 devices train, process 1's 4 roll out: the rollouts reach the trainer's
+  host, the train metrics the rollout's, and each sync moves the weights device to device
+  between the processes (sharding/hosts.py). Both write the checkpoints, and a longer run
+  resumes from them."""
+  workdir = tmp_path / "multi"
+  run = lambda extra: _two_processes(lambda flags: _cmd(workdir, [*split, *extra, *flags]),
+                                     [_env(4), _env(4)])
+  run([])
+  records = read_metrics(str(workdir / "metrics.jsonl"))
+  assert records[-1]["weight_version"] == 2
+  _close(records, baseline(1))
+  outs = run(["--gin_param=Experiment.steps = 3"])
+  assert "resumed from" in outs[0][0] + outs[0][1]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]
+  assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_asynchronous_modes_refuse_several_processes(tmp_path):
+  """Their two threads would launch cross-process collectives in different orders: one
+  error line on every process, before any work."""
+  async_gin = os.path.join(ROOT, "configs", "quickstart_async.gin")
+  command = lambda flags: [c if not c.startswith("--gin_file=") else f"--gin_file={async_gin}"
+                           for c in _cmd(tmp_path / "run", flags)]
+  port = free_port()
+  procs = [subprocess.Popen(command([f"--coordinator_address=127.0.0.1:{port}",
+                                     "--num_processes=2", f"--process_id={i}"]),
+                            env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err[-2000:]
+    assert "error: async spec: asynchronous modes run in one process" in err
 
 
 def _gsm8k_files(directory) -> None:

@@ -10,6 +10,7 @@ from jaxrl_post.models import LoraConfig, abstract_model
 from jaxrl_post.models.transformer import is_adapter, logical_axes, params_of, split_adapters
 from jaxrl_post.sharding import (MeshConfig, PartialSync, PlacementConfig, SyncConfig,
                                  WeightSync, build_meshes)
+from jaxrl_post.sharding import hosts
 from tests.sharding.helpers import CFG, batch, logits_fn, sharded_init
 
 PLACEMENTS = {
@@ -130,3 +131,25 @@ def test_bytes_and_schedule():
   n = sum(x.size for x in jax.tree.leaves(params_of(abstract_model(CFG))))
   assert sync.bytes_per_sync == 2 * n  # bf16
   assert [s for s in range(1, 10) if sync.due(s)] == [3, 6, 9]
+
+
+@pytest.mark.parametrize("trainer_devices, rollout", [(4, MeshConfig(data=2, fsdp=1, tensor=2)),
+                                                      (2, MeshConfig(data=-1, fsdp=1))])
+def test_the_collective_transfer_between_meshes_equals_the_shard_copy(trainer_devices, rollout):
+  """What a sync does when the roles sit on different processes (sharding/hosts.py), run
+  here on one: one ppermute per round from the trainer's devices to the rollout's, with no
+  host traffic. 2 trainer devices feed 6 rollout replicas in 3 rounds."""
+  meshes = build_meshes(PlacementConfig(mode="split", trainer_devices=trainer_devices,
+                                        trainer_mesh=MeshConfig(fsdp=-1),
+                                        rollout_mesh=rollout))
+  abstract = abstract_model(CFG)
+  sync = WeightSync(meshes, logical_axes(abstract), params_of(abstract), SyncConfig())
+  mirrored = sync._first(sharded_init(CFG, meshes.trainer, seed=3))
+  want = jax.tree.map(np.asarray, mirrored)
+  with no_host_transfers():
+    got = hosts.transfer(mirrored, sync.rollout_shardings, sync._mirror, meshes.rollout)
+  for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                     jax.tree.leaves(sync.rollout_shardings)):
+    assert g.sharding == s
+    for shard in g.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), w[shard.index])
