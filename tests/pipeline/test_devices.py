@@ -113,6 +113,7 @@ SPLIT = ["--gin_param=PlacementConfig.mode = 'split'",
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # The cross-process split below runs this layout against one device too.
 def test_split_placement_with_a_multi_device_rollout_mesh(tmp_path, baseline):
   """4 devices train (FSDP), 4 roll out (data 2 x tensor 2); sync reshards between them."""
   records = _run(tmp_path / "split", 8, SPLIT)
