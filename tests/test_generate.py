@@ -187,6 +187,21 @@ def test_batch_engine_decodes_every_completion_at_once_unless_num_slots_is_given
   assert generate._engine_for(model, 12, 20, 1, sequences=5000).num_slots == MAX_SLOTS
 
 
+def test_without_memory_stats_the_pool_takes_a_share_of_the_hosts_free_memory(monkeypatch):
+  """The CPU reports no memory stats: the batch engine's pool may take a quarter of what
+  the host has free, where that is more than PoolConfig's fixed fallback."""
+  from jaxrl_post.rollout import PoolConfig, pages
+
+  model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
+  eng = generate._engine_for(model, 12, 20, 1, sequences=1)
+  sequence = eng.max_pages * pages.page_bytes(model.config, eng.page_size, eng.kv_dtype)
+  monkeypatch.setattr(PoolConfig, "fallback_bytes", 40 * sequence + sequence // 2)
+  monkeypatch.setattr(pages, "host_available_bytes", lambda: 0)
+  assert generate._engine_for(model, 12, 20, 1, sequences=80).num_slots == 40
+  monkeypatch.setattr(pages, "host_available_bytes", lambda: 4 * 100 * sequence)
+  assert generate._engine_for(model, 12, 20, 1, sequences=80).num_slots == 80
+
+
 def test_num_slots_below_one_is_a_one_line_error(tmp_path, capsys):
   prompts = _write_lines(tmp_path / "in.jsonl", [json.dumps({"prompt": "hi"})])
   assert generate.main(["--model", LLAMA_DIR, "--prompts", prompts, "--out",

@@ -74,6 +74,19 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
   return per_token * page_size
 
 
+def host_available_bytes() -> int:
+  """Memory the host can still give without swapping (Linux's MemAvailable; 0 where
+  unknown): what CPU devices, which report no memory stats, have left."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
 def free_device_bytes(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if not stats or "bytes_limit" not in stats:
