@@ -158,9 +158,7 @@ class Checkpointer:
 def _unreadable(abstract: Any) -> Any:
   """Arrays of the abstract tree's shapes and shardings on a process that holds none of
   their devices (jax runs nothing here, so they cost nothing)."""
-  return jax.tree.map(
-      lambda a: jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)(),
-      abstract)
+  return jax.tree.map(lambda a: hosts.unreadable(a.shape, a.dtype, a.sharding), abstract)
 
 
 def abstract_like(tree: Any) -> Any:

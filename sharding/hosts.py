@@ -68,12 +68,23 @@ def fetch(tree: Any, mesh: Mesh) -> Any:
   return share(jax.device_get(tree) if holds(mesh) else None, mesh)
 
 
+def unreadable(shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
+  """An array of `sharding` on a process that holds none of its devices: jax runs nothing
+  here, and the program is built once per shape."""
+  return _unreadable(tuple(shape), np.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=512)
+def _unreadable(shape: tuple, dtype, sharding: NamedSharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 def _assemble(shape, sharding: NamedSharding, shards: dict, dtype) -> jax.Array:
   """A global array from this process's shards {device: buffer}; where this process holds
   none of `sharding`'s devices, an array it cannot read (as jax's own outputs are)."""
   local = sharding.addressable_devices_indices_map(shape)
   if not local:
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return unreadable(shape, dtype, sharding)
   return jax.make_array_from_single_device_arrays(shape, sharding,
                                                   [shards[d] for d in local])
 
