@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +63,11 @@ def share(value: Any, mesh: Mesh) -> Any:
   return allgather_objects(value if jax.process_index() == source else None)[source]
 
 
-def fetch(tree: Any, mesh: Mesh) -> Any:
-  """jax.device_get of arrays on `mesh`, on every process (see `share`)."""
+def fetch(tree: Any, mesh: Optional[Mesh] = None) -> Any:
+  """jax.device_get of arrays on `mesh`, on every process (see `share`); without a mesh,
+  jax.device_get."""
+  if mesh is None:
+    return jax.device_get(tree)
   return share(jax.device_get(tree) if holds(mesh) else None, mesh)
 
 

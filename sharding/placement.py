@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.sharding import hosts
 from jaxrl_post.sharding.mesh import MeshConfig, make_mesh
 
 PLACEMENT_MODES = ("colocated", "split")
@@ -57,8 +58,7 @@ class Meshes:
   @property
   def on_every_process(self) -> bool:
     """Whether every process holds devices of both roles (always so on one process)."""
-    processes = lambda mesh: {d.process_index for d in mesh.devices.flat}
-    return processes(self.trainer) == processes(self.rollout) == set(range(jax.process_count()))
+    return hosts.everywhere(self.trainer) and hosts.everywhere(self.rollout)
 
 
 def build_meshes(cfg: PlacementConfig,

@@ -31,11 +31,10 @@ loop.py stays as it is. Metrics added (per step):
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable, Optional
-
-import math
 
 import jax
 

@@ -60,7 +60,7 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
     adapters, params = split_adapters(params)
   opt_state = trainer.init(params)
   rng = np.random.default_rng([seed, 0x5F7])
-  read = jax.device_get if mesh is None else functools.partial(hosts.fetch, mesh=mesh)
+  read = functools.partial(hosts.fetch, mesh=mesh)
   probe = _accuracy_probe(trainer, task, tokenizer, cfg, prompt_cfg, max_new_tokens, seed,
                           read)
   every = max(1, cfg.steps // 5)

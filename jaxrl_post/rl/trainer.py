@@ -56,8 +56,7 @@ from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, head_b
                                    head_tokens, pack, pad_rows, pad_trajectories,
                                    with_head_layout)
 from jaxrl_post.rl.value import terminal_rewards, value_loss
-from jaxrl_post.sharding import hosts
-from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, logical_to_spec,
+from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, hosts, logical_to_spec,
                                  tree_shardings)
 
 
@@ -487,8 +486,7 @@ def fetch_metrics(history: Sequence[dict], mesh=None) -> list[dict]:
   """Device metrics of a step's optimizer steps on the host, in one transfer: Python
   floats, ints and bools, and lists for histograms. With the trainer's `mesh`, also on a
   process that holds none of its devices (sharding/hosts.py)."""
-  got = jax.device_get(history) if mesh is None else hosts.fetch(history, mesh)
-  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in got]
+  return [{k: np.asarray(v).tolist() for k, v in m.items()} for m in hosts.fetch(history, mesh)]
 
 
 def rollout_batch_metrics(rewards, group_size: Optional[int] = None) -> dict:
