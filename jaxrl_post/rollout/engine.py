@@ -440,6 +440,7 @@ class Prefix:
   first_floors: np.ndarray | None = None
   next_sample: int = 0
   experts: np.ndarray | None = None
+  continued: bool = False  # A later turn of a held sequence (see Engine.continue_held).
 
   @property
   def done(self) -> bool:
@@ -453,6 +454,22 @@ class Prefix:
     """Whether sample i ends with its first token (a stop id, or max_tokens == 1)."""
     return (self.sampling.max_tokens == 1 or
             int(self.first_tokens[i]) in self.sampling.stop_ids)
+
+
+@dataclasses.dataclass
+class Held:
+  """A sequence whose turn ended but whose K/V stays in the pool for its next turn.
+
+  Attributes:
+    seq: its pages (no reservation left).
+    length: tokens whose K/V the pages hold: every token of the history but the turn's
+      last one, which was sampled and never fed.
+    shard: the data shard whose pool holds the pages.
+  """
+
+  seq: PagedSequence
+  length: int
+  shard: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -686,13 +703,63 @@ class Engine:
       prefix.prefilled += n
       if prefix.prefilled == len(prefix.prompt):
         finished.append(prefix)
-        if self.prefix_caches:
+        if self.prefix_caches and not prefix.continued:  # A history is no shared prompt.
           self.prefix_caches[prefix.shard].add(prefix.prompt, prefix.seq.pages,
                                                prefix.experts)
     if finished:
       order = {id(p): i for i, p in enumerate(prefixes)}
       self._draw_first_tokens(finished, [order[id(p)] for p in finished], logits)
     return [p.done for p in prefixes]
+
+  # ------------------------------------------------------------------ multi-turn
+
+  def continue_held(self, held: Held, history: Sequence[int], sampling: SamplingParams,
+                    seed: int, sample_id: int) -> Prefix | None:
+    """The next turn of a held sequence, as a one-sample prefix whose prefill writes only
+    the tokens after `held.length` (the last turn's final token, then the observation) into
+    the sequence's own pages: the history before them is never prefilled again. None (and
+    `held` unchanged) while the shard's pool cannot promise the turn's pages.
+
+    `history`: every token so far, the observation last; the caller validates it first.
+    """
+    alloc, ps = self.allocs[held.shard], self.page_size
+    seq = held.seq
+    # A turn that ended at its first token holds its prompt's pages, the partial last one
+    # shared with the prompt's other samples: it gets a copy before anything is written.
+    # (A decoded turn's pages are its own, and may run past its length: grown ahead.)
+    shared_tail = (held.length % ps != 0 and len(seq.pages) == cdiv(held.length, ps) and
+                   alloc.refcount[seq.pages[-1]] > 1)
+    need = max(0, cdiv(len(history) + sampling.max_tokens - 1, ps) - len(seq.pages))
+    need += int(shared_tail)
+    if not alloc.reserve(need):
+      return None
+    seq.reserved += need
+    pair = seq.make_tail_writable(held.length)
+    if pair is not None:
+      self._copy([[pair] if s == held.shard else [] for s in range(self.shards)])
+    seq.grow(len(history))
+    return Prefix(np.asarray(history, np.int32), sampling, int(seed), (int(sample_id),), seq,
+                  private_pages=seq.reserved, shard=held.shard, prefilled=held.length,
+                  continued=True)
+
+  def detach(self, slot: int) -> Held:
+    """Empties a finished slot like `free_resource`, but its sequence keeps its pages."""
+    seq = self._seqs[slot]
+    seq.drop_reservation(seq.reserved)
+    held = Held(seq, int(self._slots.lengths[slot]), self.shard_of(slot))
+    self._seqs[slot] = None
+    self.free_resource(slot)
+    return held
+
+  def hold_skipped(self, prefix: Prefix) -> Held:
+    """`skip` for a sample kept for another turn: it holds the prompt's pages."""
+    seq = prefix.seq.fork(0)
+    self.skip(prefix)
+    return Held(seq, len(prefix.prompt), prefix.shard)
+
+  def release(self, held: Held) -> None:
+    """Returns a held sequence's pages to the pool (its trajectory ended)."""
+    held.seq.free()
 
   def _packed_width(self, prefixes: Sequence[Prefix], counts: list[int]) -> int:
     """Prefill row width: _PACKED_ROW, or the longest chunk's own width when that wastes

@@ -19,6 +19,12 @@ slot finishing in one call idles through the next (already launched) before it i
 Samples are the same either way: a token's random draw depends on its request, sample and
 position, never on its slot or call.
 
+Multi-turn: a request submitted with `keep=True` keeps each sample's pages when it finishes
+(`held[(request id, sample)]`, an engine `Held`), and `resume` queues that sample's next
+turn: a one-sample request whose prefill writes only the tokens after the held ones (the
+last turn's final token and the observation), on the data shard that holds them. The
+caller gives the pages back with `release` once the trajectory ends.
+
 A request whose pages the pool cannot promise yet waits at the head of the queue (first come,
 first served); it never fails for want of memory and never takes a live sequence's pages.
 Groups of samples larger than the pool can ever hold are split into groups that fit (each
@@ -43,7 +49,8 @@ shard. With one shard this is exactly the single-device behaviour.
 
 The scheduler knows the engine only through its methods (new_prefix, prefill_batch,
 bulk_insert, skip, generate, launch, collect, in_flight, free_resource, validate,
-max_group_size, max_concurrent_decodes, group_slots, prefill_rows, shards).
+max_group_size, max_concurrent_decodes, group_slots, prefill_rows, shards; for kept
+requests also continue_held, detach, hold_skipped, release).
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ class _Group:
   sampling: SamplingParams
   seed: int
   sample_ids: tuple[int, ...]
+  held: Any = None  # A later turn: the engine's Held sequence it continues.
 
 
 @dataclasses.dataclass
@@ -164,20 +172,43 @@ class Scheduler:
     self.shards = engine.shards  # Data shards: a prompt's pages and slots share one.
     self.results: dict[int, list[Completion | None]] = {}
     self.stats = collections.Counter()
+    self.held: dict[tuple[int, int], Any] = {}  # (request, sample) -> Held, see above
+    self._keep: set[int] = set()  # Requests whose samples keep their pages.
     self._next_id = 0
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, n: int = 1,
-             seed: int = 0) -> int:
+             seed: int = 0, keep: bool = False) -> int:
     """Queues n samples of a prompt; returns the request id. Raises UserError if the
-    engine can never serve it."""
+    engine can never serve it. keep: each sample's pages outlive it (see above)."""
     prompt = np.asarray(list(prompt), np.int32)
     self.engine.validate(prompt, sampling)
-    rid, self._next_id = self._next_id, self._next_id + 1
-    self.results[rid] = [None] * n
+    rid = self._new_request(n, keep)
     size = min(n, self.engine.max_group_size(len(prompt), sampling.max_tokens))
     for first in range(0, n, size):
       ids = tuple(range(first, min(first + size, n)))
       self.waiting.append(_Group(rid, prompt, sampling, int(seed) % (1 << 32), ids))
+    return rid
+
+  def resume(self, held: Any, history: Sequence[int], sampling: SamplingParams, *,
+             seed: int, sample_id: int = 0, keep: bool = True) -> int:
+    """Queues the next turn of a held sample: `history` is every token so far, the new
+    observation last. Returns the new request id (one sample, id `sample_id`)."""
+    history = np.asarray(list(history), np.int32)
+    self.engine.validate(history, sampling)
+    rid = self._new_request(1, keep)
+    self.waiting.append(_Group(rid, history, sampling, int(seed) % (1 << 32), (sample_id,),
+                               held=held))
+    return rid
+
+  def release(self, held: Any) -> None:
+    """Gives a held sample's pages back (its trajectory is over)."""
+    self.engine.release(held)
+
+  def _new_request(self, n: int, keep: bool) -> int:
+    rid, self._next_id = self._next_id, self._next_id + 1
+    self.results[rid] = [None] * n
+    if keep:
+      self._keep.add(rid)
     return rid
 
   @property
@@ -192,6 +223,11 @@ class Scheduler:
     """One round of admit, prefill, insert, decode; returns (request id, sample, completion)
     for every sample that finished."""
     self._admit()
+    if self.waiting and not (self.prefilling or self.ready or self._busy() or
+                             self.engine.in_flight):
+      raise UserError(f"the KV pool cannot take the next request while {len(self.held)} "
+                      "finished samples hold their pages and nothing else runs: release "
+                      "held samples (or run fewer trajectories at once, or enlarge the pool)")
     self._prefill()
     finished = self._insert()
     if self._busy() or self.engine.in_flight:
@@ -257,7 +293,11 @@ class Scheduler:
       need = min(self._slots_needed(len(g.sample_ids)), self.block_size)
       order = sorted((s for s in range(self.shards) if room[s] >= need), key=lambda s: -room[s])
       prefix = None
-      for shard in order:
+      if g.held is not None:  # A later turn: only the shard that holds its pages.
+        if g.held.shard in order:
+          prefix = self.engine.continue_held(g.held, g.prompt, g.sampling, g.seed,
+                                             g.sample_ids[0])
+      for shard in order if g.held is None else ():
         prefix = self.engine.new_prefix(g.prompt, g.sampling, g.seed, g.sample_ids,
                                         shard=shard)
         if prefix is not None:
@@ -317,7 +357,7 @@ class Scheduler:
       self._bulk_insert(g, prefix, batch)
       batch = []
       finished.append((g.rid, g.sample_ids[j], self._first_only(g, prefix, j).completion()))
-      self.engine.skip(prefix)
+      self._skip(g, prefix, g.sample_ids[j])
     self._bulk_insert(g, prefix, batch)
     if free and len(free[0]) < self.block_size:
       free.popleft()  # This prompt's block: its free slots idle until it empties.
@@ -328,7 +368,7 @@ class Scheduler:
     """A one-sample prompt into a free slot of a solo block, opening one if none is left."""
     if prefix.finishes_at_first(0):
       done = self._first_only(g, prefix, 0).completion()
-      self.engine.skip(prefix)
+      self._skip(g, prefix, g.sample_ids[0])
       return [(g.rid, g.sample_ids[0], done)]
     if not solo and free:
       block = free.popleft()
@@ -337,6 +377,13 @@ class Scheduler:
     if solo:
       self._bulk_insert(g, prefix, [solo.popleft()])
     return []
+
+  def _skip(self, g: _Group, prefix, sample: int) -> None:
+    """A sample done at its first token needs no slot; a kept one holds its pages."""
+    if g.rid in self._keep:
+      self.held[(g.rid, sample)] = self.engine.hold_skipped(prefix)
+    else:
+      self.engine.skip(prefix)
 
   def _first_only(self, g: _Group, prefix, j: int) -> _Running:
     sp = g.sampling
@@ -377,7 +424,10 @@ class Scheduler:
         run.floors.extend(out.floors[slot][produced].tolist())
       if out.finished[slot]:
         finished.append((run.rid, run.sample, run.completion()))
-        self.engine.free_resource(slot)
+        if run.rid in self._keep:
+          self.held[(run.rid, run.sample)] = self.engine.detach(slot)
+        else:
+          self.engine.free_resource(slot)
         self.slots[slot] = None
         self._leave_block(slot)
     return finished
