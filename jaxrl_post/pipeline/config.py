@@ -27,6 +27,7 @@ import gin
 from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
+from jaxrl_post.envs import EpisodeLimits, GuessingGame, HumanEvalFeedback, ToolArithmetic
 from jaxrl_post.models import LoraConfig, MoeConfig
 from jaxrl_post.rewards import (ArithmeticTask, ComposedTask, CountdownTask, FormatReward,
                                 HumanEvalTask, JsonlTask, LengthPenalty, default_workers)
@@ -193,6 +194,37 @@ WEIGHT_UPDATES = ("between_batches", "in_flight")
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentSpec:
+  """Multi-turn episodes, for a task that is an environment (jaxrl_post.envs).
+
+  RolloutSpec.max_new_tokens is then the most tokens of one model turn.
+
+  Attributes:
+    max_turns: model turns per episode (the environment's own max_turns also holds).
+    max_tokens: tokens after the prompt per episode, the model's and the observations';
+      the trainer's completions are this long at most.
+    reward: an episode's reward: the "sum" of its turns' rewards or the "last" one's.
+    env_workers: threads that step environments (and run their tools).
+    store: write every episode to WORKDIR/trajectories.jsonl.
+  """
+
+  max_turns: int = 4
+  max_tokens: int = 256
+  reward: str = "sum"
+  env_workers: int = 8
+  store: bool = True
+
+  def __post_init__(self):
+    self.limits()  # Validates.
+    if not isinstance(self.env_workers, int) or self.env_workers < 1:
+      raise UserError(f"agent spec: env_workers must be a positive integer, "
+                      f"got {self.env_workers!r}")
+
+  def limits(self) -> EpisodeLimits:
+    return EpisodeLimits(self.max_turns, self.max_tokens, self.reward)
+
+
+@dataclasses.dataclass(frozen=True)
 class AsyncSpec:
   """How rollout and training overlap.
 
@@ -271,6 +303,7 @@ class Experiment:
   dynamic_sampling: Optional[DynamicSamplingSpec] = None  # DAPO: refill constant groups.
   overlong: Optional[OverlongConfig] = None  # DAPO: soft overlong reward penalty.
   asynchronous: AsyncSpec = dataclasses.field(default_factory=AsyncSpec)
+  agent: AgentSpec = dataclasses.field(default_factory=AgentSpec)  # Environment tasks.
   profile: ProfileSpec = dataclasses.field(default_factory=ProfileSpec)  # Trace, profiler.
   alarms: AlarmSpec = dataclasses.field(default_factory=AlarmSpec)
 
@@ -330,6 +363,8 @@ for _cls in (ModelSpec, RolloutSpec, RewardSpec, EvalSpec, LogSpec, ReferenceSpe
              LengthPenalty, MoeConfig, RoutingReplay, AsyncSpec):
   _register(_cls)
 for _cls in (DynamicSamplingSpec, OverlongConfig):
+  _register(_cls)
+for _cls in (AgentSpec, GuessingGame, ToolArithmetic, HumanEvalFeedback):
   _register(_cls)
 for _cls in (ProfileSpec, AlarmSpec):
   _register(_cls)

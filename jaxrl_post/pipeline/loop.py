@@ -119,8 +119,9 @@ class RLRun:
     if not self.exp.sft.steps:
       return params
     params, metrics = warm_up(self.model_cfg, params, self.task, self.tokenizer,
-                              self.exp.sft, self.exp.prompts, self.exp.rollout.max_new_tokens,
-                              self.exp.seed, self.log, mesh=self.meshes.trainer)
+                              self.exp.sft, self.exp.prompts, self._completion_budget(),
+                              self.exp.seed, self.log, mesh=self.meshes.trainer,
+                              script=self._warm_up_script())
     progress.counters.update(metrics)  # Step 0's metrics: sft/final_loss, sft/steps, ...
     return params
 
@@ -134,6 +135,14 @@ class RLRun:
     self.prompts.set_state(meta["prompts"])
     self.log(f"resumed from {self.checkpointer.directory}/{step} (step {meta['step']})")
     return Progress(meta["step"], meta["eval_history"], meta["counters"])
+
+  def _completion_budget(self) -> int:
+    """Most tokens after a prompt (a multi-turn run's episodes hold several turns)."""
+    return self.exp.rollout.max_new_tokens
+
+  def _warm_up_script(self):
+    """Multi-turn examples for the warm-up (None: the task's reference answers)."""
+    return None
 
   def _reference(self, params):
     """Frozen reference weights on the training mesh, in ReferenceSpec.dtype (None with
@@ -171,7 +180,7 @@ class RLRun:
     beside a pool that lives for the whole run.
     """
     exp, cfg = self.exp, self.exp.rollout.engine
-    longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+    longest = exp.prompts.max_prompt_tokens + self._completion_budget()
     if cfg.max_seq_len is None:
       cfg = dataclasses.replace(cfg, max_seq_len=longest)
     pool = cfg.pool
@@ -193,12 +202,12 @@ class RLRun:
     analysis sizes the KV pool and goes into the run's telemetry); compiled once."""
     if self._train_step_plan is None:
       exp = self.exp
-      longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
+      longest = exp.prompts.max_prompt_tokens + self._completion_budget()
       rows, sequences = plan.micro_batch_shape(self._per_micro(), longest,
                                                exp.trainer.row_tokens, self.trainer.batch_shards)
       self._train_step_plan = plan.train_step_memory(
           self.model_cfg, exp.trainer, self.meshes.trainer, rows=rows,
-          completion_len=completion_bucket(exp.rollout.max_new_tokens),
+          completion_len=completion_bucket(self._completion_budget()),
           micro_batches=exp.trainer.micro_batches, sequences=sequences,
           reference_dtype=exp.reference.dtype)
     return self._train_step_plan
@@ -217,7 +226,7 @@ class RLRun:
     batch, drawn, metrics = self._sample(step, timer)  # Timed as rollout and reward.
     metrics.update(rollouts.rollout_metrics(drawn.groups, drawn.seconds))
     rewards, shaping = _shape_rewards(batch, exp.overlong)
-    trajs, behaviour = rollouts.flatten(batch.groups)
+    trajs, behaviour = self._trajectories(batch.groups)
     with timer.role("advantage"):  # Group statistics of the whole batch, left on the device.
       scores = self._scores(rewards)
     with timer.role("pack"):  # Each micro-batch packed once; one transfer to the devices.
@@ -233,6 +242,10 @@ class RLRun:
                     "weight_version": self.rollout.version,
                     "train/tokens": sum(len(t.prompt) + len(t.completion) for t in trajs)})
     return metrics
+
+  def _trajectories(self, groups) -> tuple[list, list]:
+    """The trainer's trajectories and behaviour logprobs, groups of K contiguous."""
+    return rollouts.flatten(groups)
 
   def _sample(self, step: int, timer: StepTimer) -> tuple[dynamic.Drawn, dynamic.Drawn, dict]:
     """(training batch, every group drawn, counts): one rollout round, or with dynamic

@@ -307,5 +307,14 @@ class AsyncRLRun(RLRun):
 
 
 def run_class(exp) -> type:
-  """The run for this experiment's asynchronous mode."""
+  """The run for this experiment: multi-turn episodes for an environment task, else the
+  one for its asynchronous mode."""
+  from jaxrl_post.envs import Environment  # The agent run imports this module's loop.
+  from jaxrl_post.pipeline.agent import AgentRLRun
+
+  if isinstance(exp.task, Environment):
+    if exp.asynchronous.mode != "sync":
+      raise UserError(f"agent: multi-turn episodes run synchronously for now; "
+                      f"AsyncSpec.mode = 'sync', got {exp.asynchronous.mode!r}")
+    return AgentRLRun
   return RLRun if exp.asynchronous.mode == "sync" else AsyncRLRun

@@ -19,16 +19,22 @@ from jaxrl_post.data.prompts import PromptConfig, encode_prompt
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, Tokenizer, abstract_model
 from jaxrl_post.models.transformer import split_adapters
-from jaxrl_post.rewards import Task
+from jaxrl_post.rewards import Problem, Task
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rl.sft import SftConfig, SftTrainer
 from jaxrl_post.rl.trainer import merge_params, pack_micro_batches
 from jaxrl_post.sharding import hosts
 
 
+Script = Callable[[Problem, np.random.Generator], Optional[tuple[list[int], list[int]]]]
+
+
 def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: int,
-                 max_new_tokens: int, rng: np.random.Generator) -> list[Trajectory]:
-  """n (prompt, reference answer + EOS) pairs from the training split."""
+                 max_new_tokens: int, rng: np.random.Generator,
+                 script: Optional[Script] = None) -> list[Trajectory]:
+  """n (prompt, reference answer + EOS) pairs from the training split; with a `script`
+  (multi-turn environments: envs.driver.scripted_episode) the ids and loss mask it gives
+  for a problem, where it gives some."""
   train, out = task.split("train"), []
   eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
   for _ in range(100 * n):
@@ -36,6 +42,10 @@ def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: 
       break
     problem = train[int(rng.integers(len(train)))]
     ids, _ = encode_prompt(tokenizer, problem, prompt_cfg)
+    scripted = None if script is None or ids is None else script(problem, rng)
+    if scripted is not None:
+      out.append(Trajectory(ids, scripted[0], loss_mask=scripted[1]))
+      continue
     answer = tokenizer.encode(problem.answer, add_special_tokens=False) + eos
     if ids is not None and answer:
       out.append(Trajectory(ids, answer[:max_new_tokens]))
@@ -44,11 +54,13 @@ def sft_examples(task: Task, tokenizer: Tokenizer, prompt_cfg: PromptConfig, n: 
 
 def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokenizer,
             cfg: SftConfig, prompt_cfg: PromptConfig, max_new_tokens: int, seed: int,
-            log: Callable[[str], None], mesh: Optional[Mesh] = None) -> tuple[dict, dict]:
+            log: Callable[[str], None], mesh: Optional[Mesh] = None,
+            script: Optional[Script] = None) -> tuple[dict, dict]:
   """Runs cfg.steps supervised steps; returns (parameters, metrics).
 
   mesh: the trainer's, where `params` live: every host value (losses, the accuracy probe)
   is read through `hosts.fetch`, so a process holding none of its devices gets them too.
+  script: multi-turn examples (see sft_examples).
 
   With LoRA the warm-up trains the base and leaves the adapters as initialised (B = 0, a
   no-op), so RL starts from the warmed-up model, which is also its reference.
@@ -66,7 +78,8 @@ def warm_up(model_cfg: ModelConfig, params: dict, task: Task, tokenizer: Tokeniz
   every = max(1, cfg.steps // 5)
   losses, accuracy = [], None
   for step in range(1, cfg.steps + 1):
-    batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng)
+    batch = sft_examples(task, tokenizer, prompt_cfg, cfg.batch_size, max_new_tokens, rng,
+                         script)
     inputs, = pack_micro_batches(batch, [list(range(len(batch)))], cfg.row_tokens,
                                  max_new_tokens)
     params, opt_state, loss = trainer.step(params, opt_state, inputs, adapters)

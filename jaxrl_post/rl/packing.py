@@ -34,12 +34,16 @@ from jaxrl_post.errors import UserError
 class Trajectory:
   """A prompt and its completion; for a MoE policy also the experts the rollout chose for
   each token it fed ([P + N - 1, L, k], see rollout.scheduler.Completion), for replay;
-  under top-k / top-p each completion token's kept-set floor ([N], sampling.truncate)."""
+  under top-k / top-p each completion token's kept-set floor ([N], sampling.truncate);
+  for a multi-turn episode the loss mask of its completion ([N])."""
 
   prompt: Sequence[int]
   completion: Sequence[int]
   experts: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
   floors: Optional[Sequence[float]] = None
+  # Multi-turn episodes: 1 on the completion's model tokens, 0 on the observations between
+  # its turns, which the policy is conditioned on but never trained to produce.
+  loss_mask: Optional[Sequence[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +269,7 @@ def pack(trajectories: Sequence[Trajectory], row_tokens: int, num_rows: int | No
       targets[r, start:start + n - 1] = seq[1:]
       c = n - p  # Completion token t is predicted at position p - 1 + t.
       index[i, :c] = r * row_tokens + start + p - 1 + np.arange(c)
-      mask[i, :c] = 1.0
+      mask[i, :c] = 1.0 if trajectories[i].loss_mask is None else trajectories[i].loss_mask
       if floors is not None and trajectories[i].floors is not None:
         floors[i, :c] = trajectories[i].floors
       start += n

@@ -724,9 +724,9 @@ class Engine:
     """
     alloc, ps = self.allocs[held.shard], self.page_size
     seq = held.seq
-    # A turn that ended at its first token holds its prompt's pages, the partial last one
-    # shared with the prompt's other samples: it gets a copy before anything is written.
-    # (A decoded turn's pages are its own, and may run past its length: grown ahead.)
+    # A held partial last page is the sequence's own (see hold_skipped); should one still
+    # be shared, it is copied before anything is written. A decoded turn's pages may run
+    # past its length (grown ahead for calls it did not need).
     shared_tail = (held.length % ps != 0 and len(seq.pages) == cdiv(held.length, ps) and
                    alloc.refcount[seq.pages[-1]] > 1)
     need = max(0, cdiv(len(history) + sampling.max_tokens - 1, ps) - len(seq.pages))
@@ -752,9 +752,16 @@ class Engine:
     return held
 
   def hold_skipped(self, prefix: Prefix) -> Held:
-    """`skip` for a sample kept for another turn: it holds the prompt's pages."""
-    seq = prefix.seq.fork(0)
-    self.skip(prefix)
+    """`skip` for a sample kept for another turn: it holds the prompt's pages, the partial
+    last one copied (paid from the sample's reservation, as an insert would) while other
+    samples still share it, whose budget counts on one of them inheriting it."""
+    assert prefix.done and prefix.remaining > 0 and prefix.finishes_at_first(prefix.next_sample)
+    seq = prefix.seq.fork(self._sample_reservation(prefix))
+    self._consume(prefix)
+    pair = seq.make_tail_writable(len(prefix.prompt))
+    if pair is not None:
+      self._copy([[pair] if s == prefix.shard else [] for s in range(self.shards)])
+    seq.drop_reservation(seq.reserved)
     return Held(seq, len(prefix.prompt), prefix.shard)
 
   def release(self, held: Held) -> None:

@@ -109,3 +109,24 @@ def test_a_pool_full_of_held_samples_is_a_user_error_not_a_hang():
   sched.submit(prompt, sampling, n=1)
   with pytest.raises(UserError, match="hold their pages"):
     sched.run()
+
+
+def test_samples_that_end_at_their_first_token_keep_pages_of_their_own():
+  """Some samples of a group end at their first token (a stop id) and are held; the
+  prompt's partial page is copied for them, so the pool's promise to the others holds."""
+  prompt = H.prompts(np.random.default_rng(11), [6])[0]  # A partial second page.
+  eng = H.engine()
+  sched = Scheduler(eng)
+  # At this temperature these 8 first tokens (the likeliest) have 41% of the mass.
+  first = H.completion_logits(prompt, [0])[0]
+  stops = tuple(int(t) for t in np.argsort(-first)[:8])
+  sampling = SamplingParams(temperature=0.1, max_tokens=5, stop_ids=stops)
+  rid = sched.submit(prompt, sampling, n=8, seed=3, keep=True)
+  sched.run()
+  lengths = [len(c.tokens) for c in sched.results[rid]]
+  assert 1 in lengths and max(lengths) > 1, lengths
+  tails = [sched.held[(rid, j)].seq.pages[1] for j in range(8)]
+  assert len(set(tails)) == 8  # Every held partial page is a sample's own.
+  for j in range(8):
+    sched.release(sched.held.pop((rid, j)))
+  assert eng.pages_in_use == 0

@@ -1,0 +1,75 @@
+"""Code with execution feedback: a HumanEval function written over several attempts.
+
+Each turn's reply is run against the problem's tests in the code sandbox (through
+rewards.humaneval, the single-turn task's own scorer). Passing ends the episode with
+reward 1; otherwise the next observation says how the run failed, and the model tries
+again until max_turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional, Sequence
+
+from jaxrl_post.envs.base import Environment, Step
+from jaxrl_post.rewards.base import Problem, check_int
+from jaxrl_post.rewards.humaneval import DEFAULT_TEMPLATE, HumanEvalTask
+
+DEFAULT_FEEDBACK = ("The tests failed ({status}: {reason}). Reply with the whole corrected "
+                    "function in a ```python block.")
+
+
+@dataclasses.dataclass
+class _Attempts:
+  env: "HumanEvalFeedback"
+  problem: Problem
+  turns: int = 0
+
+  def step(self, reply: str) -> Step:
+    self.turns += 1
+    last = self.turns >= self.env.max_turns
+    result = self.env.task.run(self.problem, reply)
+    if result is not None and result.status == "ok":
+      return Step("", 1.0, True, solved=True)
+    if result is None:
+      status, reason = "syntax", "the reply holds no function that parses as Python"
+    else:
+      status, reason = result.status, result.reason
+    feedback = self.env.feedback.format(status=status, reason=reason[:300])
+    return Step("" if last else feedback, 0.0, last)
+
+
+@dataclasses.dataclass(frozen=True)
+class HumanEvalFeedback(Environment):
+  """Attributes: those of rewards.HumanEvalTask, plus
+    max_turns: attempts per episode.
+    feedback: the observation after a failed attempt ({status}, {reason}).
+  """
+
+  name: ClassVar[str] = "humaneval_feedback"
+
+  path: Optional[str] = None
+  seed: int = 0
+  num_eval: int = 40
+  num_train: Optional[int] = None
+  template: str = DEFAULT_TEMPLATE
+  timeout_s: float = 5.0
+  memory_mb: int = 512
+  max_turns: int = 3
+  feedback: str = DEFAULT_FEEDBACK
+
+  def __post_init__(self):
+    check_int(type(self).__name__, "max_turns", self.max_turns, 1)
+    object.__setattr__(self, "task", HumanEvalTask(
+        path=self.path, seed=self.seed, num_eval=self.num_eval, num_train=self.num_train,
+        template=self.template, timeout_s=self.timeout_s, memory_mb=self.memory_mb))
+
+  def split(self, name: str) -> Sequence[Problem]:
+    return self.task.split(name)
+
+  def reset(self, problem: Problem) -> _Attempts:
+    return _Attempts(self, problem)
+
+  @property
+  def skipped(self) -> dict[str, int]:
+    return self.task.skipped

@@ -1,0 +1,267 @@
+"""The multi-turn rollout driver: many episodes at once on one engine and scheduler.
+
+Every episode starts as one of the K samples of its problem's prompt (prefilled once, its
+pages shared). When a model turn ends, the scheduler keeps the sample's pages (a `Held`
+sequence) and the environment answers the decoded reply; the observation's ids are
+appended to the history and the next turn is queued with `Scheduler.resume`, which
+prefills only the turn's last token and the observation after the pages already held.
+Episodes end when the environment says so, after max_turns, or when the next turn would
+pass max_tokens (every token after the prompt: the model's and the observations').
+
+Environment steps run in worker threads, all the turns that one scheduler step finished
+together, and the driver waits for them before it queues their next turns: the order of
+device calls is then a function of the tokens alone, the same on every process and in a
+resumed run. Each turn's random draws come from (seed, prompt, sample, turn).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from jaxrl_post.envs.base import Environment, Step, play
+from jaxrl_post.envs.chat import TurnFormat
+from jaxrl_post.errors import UserError
+from jaxrl_post.rewards.base import Problem
+from jaxrl_post.rollout import Engine, SamplingParams
+from jaxrl_post.rollout.pages import cdiv
+from jaxrl_post.rollout.scheduler import Completion, Scheduler, SchedulerConfig
+from jaxrl_post.sharding import hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+  """Attributes:
+    max_turns: model turns per episode (the environment's own limit also holds).
+    max_tokens: tokens after the prompt, the model's and the observations'.
+    reward: "sum" of the turns' rewards, or the "last" turn's, as the episode's reward.
+  """
+
+  max_turns: int = 4
+  max_tokens: int = 256
+  reward: str = "sum"
+
+  def __post_init__(self):
+    for name in ("max_turns", "max_tokens"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise UserError(f"agent spec: {name} must be a positive integer, "
+                        f"got {getattr(self, name)!r}")
+    if self.reward not in ("sum", "last"):
+      raise UserError(f"agent spec: reward={self.reward!r} is not one of 'sum', 'last'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """One model turn and the environment's answer."""
+
+  completion: Completion
+  reply: str
+  observation: str
+  observation_ids: tuple[int, ...]  # Appended after the turn (empty after the last).
+  reward: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRecord:
+  """A finished episode, shaped like a Completion for the loop: `tokens` is every id after
+  the prompt, with `loss_mask` 1 on the model's and 0 on the observations'; `logprobs`,
+  `versions` and `floors` cover every token (observations: 0, the turn's version, -inf)."""
+
+  turns: tuple[Turn, ...]
+  reward: float
+  solved: bool
+  ended: str  # "done", "max_turns" or "max_tokens"
+  experts: None = None
+
+  @property
+  def tokens(self) -> tuple[int, ...]:
+    return tuple(t for turn in self.turns
+                 for t in (*turn.completion.tokens, *turn.observation_ids))
+
+  @property
+  def loss_mask(self) -> tuple[int, ...]:
+    return tuple(m for turn in self.turns
+                 for m in (1,) * len(turn.completion.tokens) + (0,) * len(turn.observation_ids))
+
+  @property
+  def logprobs(self) -> tuple[float, ...]:
+    return tuple(x for turn in self.turns
+                 for x in (*turn.completion.logprobs, *(0.0,) * len(turn.observation_ids)))
+
+  @property
+  def versions(self) -> tuple[int, ...]:
+    return tuple(v for turn in self.turns for v in (
+        *turn.completion.versions, *(turn.completion.versions[-1],) * len(turn.observation_ids)))
+
+  @property
+  def floors(self) -> Optional[tuple[float, ...]]:
+    if self.turns[0].completion.floors is None:
+      return None
+    return tuple(x for turn in self.turns for x in (
+        *turn.completion.floors, *(-np.inf,) * len(turn.observation_ids)))
+
+  @property
+  def finish_reason(self) -> str:
+    return self.turns[-1].completion.finish_reason
+
+  @property
+  def weight_version(self) -> int:
+    return min(self.versions)
+
+
+@dataclasses.dataclass
+class _Live:
+  """An episode under way."""
+
+  index: int  # Its prompt.
+  sample: int
+  episode: object  # The environment's Episode.
+  history: list[int]
+  turns: list[Turn] = dataclasses.field(default_factory=list)
+
+
+def turn_seed(seed: int, step: int, index: int, sample: int, turn: int) -> int:
+  return int(np.random.SeedSequence([seed, step, index, sample, turn]).generate_state(1)[0])
+
+
+class EpisodeRunner:
+  """Runs episodes of one environment on one engine (see the module docstring)."""
+
+  def __init__(self, engine: Engine, env: Environment, turns: TurnFormat,
+               limits: EpisodeLimits, scheduler: SchedulerConfig = SchedulerConfig(),
+               workers: int = 8):
+    self.engine, self.env, self.turns, self.limits = engine, env, turns, limits
+    self.scheduler_cfg = scheduler
+    self.max_turns = min(limits.max_turns, env.max_turns)
+    self._workers = concurrent.futures.ThreadPoolExecutor(workers, "env-step")
+    self.env_errors = 0
+
+  def close(self) -> None:
+    self._workers.shutdown(wait=True)
+
+  def run(self, problems: Sequence[Problem], prompts: Sequence[list[int]], k: int,
+          sampling: SamplingParams, seed: int, step: int,
+          between_calls: Optional[Callable[[], None]] = None) -> list[list[EpisodeRecord]]:
+    """K episodes of each problem, in problem order; `between_calls()` runs before each
+    scheduler step.
+
+    A process that holds none of the engine's devices receives the episodes from the
+    rollout's processes (collective)."""
+    mesh = self.engine.layout.mesh
+    if not hosts.holds(mesh):
+      return hosts.share(None, mesh)
+    sched = Scheduler(self.engine, self.scheduler_cfg)
+    owner: dict[int, tuple[_Live, ...]] = {}  # request id -> episodes by sample
+    done: list[list[Optional[EpisodeRecord]]] = [[None] * k for _ in problems]
+    budget, queued = self._concurrent_prompts(prompts, k), 0
+    while queued < len(prompts) or not sched.idle:
+      while queued < len(prompts) and self._live_prompts(done, queued) < budget:
+        i = queued
+        first = self._turn_sampling(sampling, 0)
+        rid = sched.submit(prompts[i], first, n=k, seed=turn_seed(seed, step, i, 0, 0),
+                           keep=True)
+        owner[rid] = tuple(_Live(i, j, self.env.reset(problems[i]), list(prompts[i]))
+                           for j in range(k))
+        queued += 1
+      if between_calls is not None:
+        between_calls()
+      finished = [(owner[rid][j], c, sched.held.pop((rid, j)))
+                  for rid, j, c in sched.step()]
+      for (live, completion, held), result in zip(finished, self._env_steps(finished)):
+        self._advance(sched, live, completion, held, result, sampling, seed, step, owner,
+                      done)
+    return hosts.share([list(row) for row in done], mesh)
+
+  def _concurrent_prompts(self, prompts: Sequence[list[int]], k: int) -> int:
+    """Prompts whose K episodes the pool holds at their longest, all at once."""
+    ps, longest = self.engine.page_size, max(len(p) for p in prompts)
+    pages = cdiv(longest + self.limits.max_tokens, ps) + 1  # +1: a copy on write
+    usable = sum(a.usable for a in self.engine.allocs) // self.engine.shards
+    per_shard = usable // (k * pages)
+    if per_shard < 1:
+      raise UserError(f"agent: {k} episodes of up to {longest} + {self.limits.max_tokens} "
+                      f"tokens need {k * pages} KV pages at once; the pool has {usable} per "
+                      "data shard (raise the pool or lower max_tokens or the group size)")
+    return per_shard * self.engine.shards
+
+  @staticmethod
+  def _live_prompts(done, queued: int) -> int:
+    return sum(1 for row in done[:queued] if any(e is None for e in row))
+
+  def _turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
+    left = self.limits.max_tokens - used
+    return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, left))
+
+  def _env_steps(self, finished) -> list[Step | BaseException]:
+    """The environment's answer to each finished turn, stepped in worker threads."""
+    futures = [self._workers.submit(live.episode.step, self._reply(c))
+               for live, c, _ in finished]
+    out = []
+    for f in futures:
+      try:
+        out.append(f.result())
+      except Exception as e:  # A failing environment ends its episode, not the run.
+        out.append(e)
+    return out
+
+  def _reply(self, c: Completion) -> str:
+    tok = self.turns.tokenizer
+    return tok.decode(c.tokens, skip_special_tokens=True)
+
+  def _advance(self, sched, live: _Live, c: Completion, held, result, sampling, seed, step,
+               owner, done) -> None:
+    """Records a turn and queues the next, or ends the episode."""
+    if isinstance(result, BaseException):
+      self.env_errors += 1
+      result = Step("", 0.0, True)
+    live.history += c.tokens
+    used = len(c.tokens) + sum(len(t.completion.tokens) + len(t.observation_ids)
+                               for t in live.turns)  # Tokens after the prompt so far.
+    ended = "done" if result.done else None
+    obs: tuple[int, ...] = ()
+    if ended is None and len(live.turns) + 1 >= self.max_turns:
+      ended = "max_turns"
+    if ended is None:
+      obs = tuple(self.turns.observation(result.observation, c.tokens[-1]))
+      if used + len(obs) >= self.limits.max_tokens:
+        ended, obs = "max_tokens", ()
+    live.turns.append(Turn(c, self._reply(c), result.observation if obs else "", obs,
+                           float(result.reward)))
+    if ended is None:
+      live.history += obs
+      nxt = sched.resume(held, live.history, self._turn_sampling(sampling, used + len(obs)),
+                         seed=turn_seed(seed, step, live.index, live.sample, len(live.turns)))
+      owner[nxt] = (live,)
+      return
+    sched.release(held)
+    rewards = [t.reward for t in live.turns]
+    total = sum(rewards) if self.limits.reward == "sum" else rewards[-1]
+    done[live.index][live.sample] = EpisodeRecord(tuple(live.turns), float(total),
+                                            bool(result.solved), ended)
+
+
+def scripted_episode(env: Environment, problem: Problem, turns: TurnFormat,
+                     limits: EpisodeLimits, rng: np.random.Generator
+                     ) -> Optional[tuple[list[int], list[int]]]:
+  """The ids after the prompt of an episode played with the environment's demonstration
+  replies (each closed with the tokenizer's end of turn), and their loss mask (1 on the
+  replies); None when the environment has no demonstration or it exceeds the limits."""
+  replies = env.demonstration(problem, rng)
+  if replies is None:
+    return None
+  tok = turns.tokenizer
+  end = [tok.eos_id] if tok.eos_id is not None else []
+  ids, mask = [], []
+  played = play(env, problem, replies[:min(limits.max_turns, env.max_turns)])
+  for n, (reply, step) in enumerate(played):
+    said = tok.encode(reply, add_special_tokens=False) + end
+    ids += said
+    mask += [1] * len(said)
+    if not step.done and n + 1 < len(played):
+      obs = turns.observation(step.observation, said[-1])
+      ids += obs
+      mask += [0] * len(obs)
+  return (ids, mask) if 0 < len(ids) <= limits.max_tokens else None

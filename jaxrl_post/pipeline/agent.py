@@ -1,0 +1,167 @@
+"""The multi-turn RL run: the synchronous loop with episodes in place of completions.
+
+Only the rollout side changes. A step draws K episodes per prompt with the multi-turn
+driver (envs.driver: each trajectory's K/V stays in the pool between its turns), takes
+each episode's reward from its environment (no verifier pool: the environment scored every
+turn as it answered it), and hands the trainer every token after the prompt with a loss
+mask over the model's own: observations condition the policy but are never trained on.
+Advantages are GRPO's over the K episodes of a problem. Evaluation is the greedy success
+rate of episodes, and pass@k / maj@k over sampled ones.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxrl_post.data.prompts import PromptConfig, encode_prompt
+from jaxrl_post.envs import Environment, EpisodeRecord, EpisodeRunner, TurnFormat
+from jaxrl_post.envs.driver import scripted_episode
+from jaxrl_post.envs.store import TrajectoryStore
+from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline import dynamic, rollouts
+from jaxrl_post.pipeline.loop import Progress, RLRun
+from jaxrl_post.rewards import Problem, VerifierStats, at_k
+from jaxrl_post.rl.packing import Trajectory
+from jaxrl_post.rollout import SamplingParams
+
+
+class AgentRLRun(RLRun):
+  """RLRun over an environment task (Experiment.task is an envs.Environment)."""
+
+  def __init__(self, exp, workdir: str, log=print):
+    super().__init__(exp, workdir, log)
+    if not isinstance(exp.task, Environment):
+      raise UserError(f"agent: the task {type(exp.task).__name__} is not an environment")
+    if self.trainer.value_head:
+      raise UserError("agent: multi-turn episodes train with group advantages (GRPO "
+                      "family); a value-head model's GAE is not supported for them yet")
+    if self.model_cfg.moe is not None:
+      raise UserError("agent: multi-turn episodes do not record MoE routing for replay yet")
+    self.env, self.spec = exp.task, exp.agent
+    self.turns = TurnFormat(self.tokenizer, exp.prompts.chat_template)
+    self.store: Optional[TrajectoryStore] = None
+    self._agent_metrics: dict[str, float] = {}
+
+  def start(self) -> Progress:
+    progress = super().start()
+    self.runner = EpisodeRunner(self.engine, self.env, self.turns, self.spec.limits(),
+                                self.exp.rollout.scheduler, workers=self.spec.env_workers)
+    if self.spec.store and jax.process_index() == 0:
+      self.store = TrajectoryStore(self.workdir,
+                                   progress.step if progress.eval_history else -1)
+    return progress
+
+  def _completion_budget(self) -> int:
+    return self.exp.agent.max_tokens
+
+  def _warm_up_script(self):
+    limits = self.spec.limits()
+    return lambda problem, rng: scripted_episode(self.env, problem, self.turns, limits, rng)
+
+  # ------------------------------------------------------------------ one step
+
+  def step(self, step: int, timer) -> dict[str, Any]:
+    metrics = super().step(step, timer)
+    return metrics | self._agent_metrics
+
+  def _draw(self, step: int, round_: int, timer) -> dynamic.Drawn:
+    exp = self.exp
+    problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
+    errors = self.runner.env_errors
+    with timer.role("rollout"):  # Environment steps included: they run between turns.
+      t0 = time.perf_counter()
+      episodes = self.runner.run(problems, prompt_ids, exp.rollout.group_size, self.sampling,
+                                 dynamic.round_seed(exp.seed, round_), step,
+                                 between_calls=self._between_decode_calls)
+      seconds = time.perf_counter() - t0
+    if self.store is not None:
+      self.store.write(step, "train", problems, prompt_ids, episodes)
+    rewards = np.array([e.reward for g in episodes for e in g], np.float32)
+    self._agent_metrics = episode_metrics("agent", episodes)
+    stats = VerifierStats(samples=len(rewards), errors=self.runner.env_errors - errors)
+    groups = [rollouts.Group(p, list(ids), g) for p, ids, g in zip(problems, prompt_ids,
+                                                                   episodes)]
+    return dynamic.Drawn(groups, rewards, stats, seconds)
+
+  def _trajectories(self, groups) -> tuple[list, list]:
+    trajs, behaviour = [], []
+    for g in groups:
+      for e in g.completions:
+        trajs.append(Trajectory(g.prompt, e.tokens, None, e.floors, e.loss_mask))
+        behaviour.append(e.logprobs)
+    return trajs, behaviour
+
+  def evaluate(self) -> dict[str, float]:
+    spec = self.exp.eval
+    out, kept, prompts, greedy = evaluate_episodes(
+        self.runner, self.tokenizer, self.env, self.eval_problems, self.exp.prompts,
+        self.exp.rollout.max_new_tokens, spec.samples, spec.temperature)
+    if self.store is not None:
+      self.store.write(self._step, "eval", kept, prompts, greedy)
+    return out
+
+  def close(self) -> None:
+    try:
+      if getattr(self, "runner", None) is not None:
+        self.runner.close()
+    finally:
+      super().close()
+
+
+def episode_metrics(prefix: str, groups: Sequence[Sequence[EpisodeRecord]]) -> dict[str, float]:
+  episodes = [e for g in groups for e in g]
+  out = {f"{prefix}/solved": float(np.mean([e.solved for e in episodes])),
+         f"{prefix}/turns_mean": float(np.mean([len(e.turns) for e in episodes])),
+         f"{prefix}/observation_tokens_mean": float(np.mean(
+             [sum(len(t.observation_ids) for t in e.turns) for e in episodes]))}
+  for ended in ("done", "max_turns", "max_tokens"):
+    out[f"{prefix}/ended_{ended}"] = float(np.mean([e.ended == ended for e in episodes]))
+  return out
+
+
+def evaluate_episodes(runner: EpisodeRunner, tokenizer, env: Environment,
+                      problems: Sequence[Problem], prompt_cfg: PromptConfig,
+                      max_new_tokens: int, samples: int = 0, temperature: float = 1.0):
+  """Greedy episodes on held-out problems (success rate as eval/accuracy), and with
+  `samples` n > 0 pass@k and maj@k of n sampled episodes per problem (maj@k votes on each
+  episode's last reply, as the environment reads its answer). The seeds are the same at
+  every evaluation. Returns (metrics, problems kept, their prompts, greedy episodes)."""
+  kept, prompts = [], []
+  for p in problems:
+    ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
+    if ids is not None:
+      kept.append(p)
+      prompts.append(ids)
+  out: dict[str, float] = {"eval/problems": len(kept), "eval/skipped": len(problems) - len(kept)}
+  if not kept:
+    return out | {"eval/accuracy": 0.0}, kept, prompts, []
+  greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
+                          stop_ids=tokenizer.stop_ids)
+  episodes = runner.run(kept, prompts, 1, greedy, seed=0, step=0)
+  out["eval/accuracy"] = float(np.mean([g[0].solved for g in episodes]))
+  out.update(episode_metrics("eval", episodes))
+  if samples:
+    sampled = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                             stop_ids=tokenizer.stop_ids)
+    groups = runner.run(kept, prompts, samples, sampled, seed=1, step=0)
+    out.update(_at_k(env, groups))
+  return out, kept, prompts, episodes
+
+
+def _at_k(env: Environment, groups: Sequence[Sequence[EpisodeRecord]]) -> dict[str, float]:
+  n = len(groups[0])
+  solved = np.array([[e.solved for e in g] for g in groups])
+  out: dict[str, float] = {"eval/k_samples": n}
+  for k in at_k.ks_for(n):
+    out[f"eval/pass@{k}"] = float(np.mean([at_k.pass_at_k(n, int(row.sum()), k)
+                                            for row in solved]))
+  answers = [[env.final_answer(e.turns[-1].reply) for e in g] for g in groups]
+  if any(a is not None for row in answers for a in row):
+    for k in at_k.ks_for(n):
+      out[f"eval/maj@{k}"] = float(np.mean([at_k.majority_solves(row[:k], list(s[:k]))
+                                            for row, s in zip(answers, solved)]))
+  return out
