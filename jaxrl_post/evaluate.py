@@ -79,20 +79,43 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
   full = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(cfg.param_dtype)), params)
   sync = WeightSync(meshes, logical_axes(abstract_model(cfg)), full, exp.sync)
   rollout = sync.initial(full)
+  from jaxrl_post.envs import Environment
+
+  episodes = isinstance(exp.task, Environment)  # Multi-turn: the episode token budget.
   engine_cfg = exp.rollout.engine
   if engine_cfg.max_seq_len is None:
-    longest = exp.prompts.max_prompt_tokens + exp.rollout.max_new_tokens
-    engine_cfg = dataclasses.replace(engine_cfg, max_seq_len=longest)
+    after = exp.agent.max_tokens if episodes else exp.rollout.max_new_tokens
+    engine_cfg = dataclasses.replace(engine_cfg,
+                                     max_seq_len=exp.prompts.max_prompt_tokens + after)
   engine = Engine(cfg, rollout.params, engine_cfg, version=0, mesh=meshes.rollout)
   split = exp.task.split("eval")
   if len(split) == 0:
     raise UserError("the task's eval split is empty")
   problems = [split[i] for i in range(min(exp.eval.num_problems, len(split)))]
+  if episodes:
+    return _evaluate_episodes(exp, engine, tokenizer, problems)
   with VerifierPool(exp.task, workers=exp.reward.workers, timeout_s=exp.reward.timeout_s,
                     processes=exp.reward.processes) as pool:  # as the run's, RewardSpec's
     return rollouts.evaluate(engine, tokenizer, exp.task, problems, exp.prompts,
                              exp.rollout.max_new_tokens, exp.rollout.scheduler, pool=pool,
                              samples=exp.eval.samples, temperature=exp.eval.temperature)
+
+
+def _evaluate_episodes(exp, engine, tokenizer, problems) -> dict:
+  """The agent run's evaluation: greedy episodes, and pass@k / maj@k of sampled ones."""
+  from jaxrl_post.envs import EpisodeRunner, TurnFormat
+  from jaxrl_post.pipeline.agent import evaluate_episodes
+
+  runner = EpisodeRunner(engine, exp.task, TurnFormat(tokenizer, exp.prompts.chat_template),
+                         exp.agent.limits(), exp.rollout.scheduler,
+                         workers=exp.agent.env_workers)
+  try:
+    out, *_ = evaluate_episodes(runner, tokenizer, exp.task, problems, exp.prompts,
+                                exp.rollout.max_new_tokens, exp.eval.samples,
+                                exp.eval.temperature)
+  finally:
+    runner.close()
+  return out
 
 
 def read_lines(task) -> list[str]:

@@ -1,0 +1,66 @@
+"""The multi-turn run end to end: train, store the episodes, resume, evaluate, read them."""
+
+import json
+import os
+
+from jaxrl_post import evaluate, train, trajectories
+from jaxrl_post.envs import store
+from jaxrl_post.telemetry import read_metrics
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+AGENT = os.path.join(ROOT, "configs", "quickstart_agent.gin")
+# The agent quickstart shrunk to seconds; on every device of the suite (8), as users may.
+FAST = ["Experiment.steps = 3", "SftConfig.steps = 4", "EvalSpec.every_n_steps = 2",
+        "EvalSpec.num_problems = 8", "EvalSpec.samples = 4", "RolloutSpec.prompts_per_step = 4",
+        "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
+        "CheckpointConfig.every_n_steps = 1", "OptimizerConfig.total_steps = 10"]
+
+
+def _argv(workdir, extra=()):
+  return ([f"--gin_file={AGENT}", f"--workdir={workdir}"] +
+          [f"--gin_param={p}" for p in FAST + list(extra)])
+
+
+def _stored(workdir):
+  with open(os.path.join(workdir, store.FILE)) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_agent_run_trains_on_episodes_stores_them_and_resumes(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  assert train.main(_argv(workdir)) == 0
+  metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+  for m in metrics[1:]:
+    assert m["agent/turns_mean"] > 1.0 and 0.0 <= m["agent/solved"] <= 1.0
+    assert m["train/tokens"] > 0 and m["reward/mean"] == m["agent/solved"]
+  assert {"eval/pass@4", "eval/maj@4", "eval/turns_mean"} <= set(metrics[-1])
+
+  rows = _stored(workdir)
+  train_rows = [r for r in rows if r["split"] == "train"]
+  assert sorted({r["step"] for r in train_rows}) == [1, 2, 3] and len(train_rows) == 3 * 16
+  assert sorted({r["step"] for r in rows if r["split"] == "eval"}) == [0, 2, 3]
+  for r in train_rows:  # The stored ids are the episode: model turns, then observations.
+    assert r["turns"] and all(t["ids"] for t in r["turns"])
+    assert r["reward"] == float(r["solved"])
+    assert all(t["observation"] == "" for t in r["turns"][-1:])
+
+  assert train.main(_argv(workdir, ["Experiment.steps = 4"])) == 0  # Resumes after step 3.
+  rows = _stored(workdir)
+  assert sorted({r["step"] for r in rows if r["split"] == "train"}) == [1, 2, 3, 4]
+  assert len([r for r in rows if r["split"] == "train"]) == 4 * 16  # None written twice.
+
+  capsys.readouterr()
+  assert trajectories.main([workdir, "--split", "train", "--step", "4", "--limit", "2"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("[prompt] guess 0-9:") == 2 and "[model 1]" in out
+  assert out.strip().splitlines()[-1].startswith("2 episodes, mean reward ")
+  assert trajectories.main([workdir, "--solved", "--json"]) == 0
+  assert all(json.loads(line)["solved"] for line in capsys.readouterr().out.splitlines())
+  assert trajectories.main([str(tmp_path / "none")]) == 2
+
+  args = [f"--gin_file={AGENT}", f"--checkpoint={workdir}", "--json"]
+  args += [f"--gin_param={p}" for p in FAST]
+  assert evaluate.main(args) == 0
+  result = json.loads(capsys.readouterr().out.splitlines()[-1])
+  assert result["eval/problems"] == 8 and "eval/pass@4" in result and "eval/maj@4" in result
