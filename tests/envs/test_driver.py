@@ -1,5 +1,6 @@
 """The multi-turn driver: episodes on the engine, each turn continuing its held pages."""
 
+import dataclasses
 import functools
 
 import jax
@@ -35,12 +36,12 @@ def _logits(params, tokens):  # [T] -> [T, V]
   return m.logits(m(tokens[None], jnp.arange(tokens.shape[0])[None]))[0]
 
 
-def _episodes(mesh=None, k=4):
+def _episodes(mesh=None, k=4, engine=ENGINE):
   tok = char_tokenizer()
   game = GuessingGame(max_turns=4)
   problems = [game.split("train")[i] for i in range(5)]
   prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in problems]
-  engine = Engine.from_model(_model(), ENGINE, mesh=mesh)
+  engine = Engine.from_model(_model(), engine, mesh=mesh)
   runner = EpisodeRunner(engine, game, TurnFormat(tok, False), LIMITS)
   sampling = SamplingParams(temperature=1.0, max_tokens=3, stop_ids=tok.stop_ids)
   try:
@@ -82,6 +83,17 @@ def test_episodes_on_a_rollout_mesh_equal_one_device(mesh):
   for a, b in zip(one, many):
     for x, y in zip(a, b):
       assert x.tokens == y.tokens and x.reward == y.reward
+      np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL)
+
+
+def test_episodes_in_cascade_blocks_equal_independent_slots():
+  """A prompt's first turns decode in its block (cascade attention over the shared
+  prompt); later turns are one-sample requests in solo blocks."""
+  _, _, plain = _episodes()
+  _, _, blocks = _episodes(engine=dataclasses.replace(ENGINE, group_slots=4))
+  for a, b in zip(plain, blocks):
+    for x, y in zip(a, b):
+      assert x.tokens == y.tokens
       np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL)
 
 
