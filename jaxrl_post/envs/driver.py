@@ -8,10 +8,12 @@ prefills only the turn's last token and the observation after the pages already 
 Episodes end when the environment says so, after max_turns, or when the next turn would
 pass max_tokens (every token after the prompt: the model's and the observations').
 
-Environment steps run in worker threads, all the turns that one scheduler step finished
-together, and the driver waits for them before it queues their next turns: the order of
-device calls is then a function of the tokens alone, the same on every process and in a
-resumed run. Each turn's random draws come from (seed, prompt, sample, turn).
+Environment steps (and the tools they call) run in worker threads while the engine goes
+on decoding the other episodes: the turns that one scheduler step finished are stepped
+during the next scheduler step, and their next turns are queued right after it, whatever
+the threads' timing. The order of device calls is then a function of the tokens alone, the
+same on every process and in a resumed run. Each turn's random draws come from (seed,
+prompt, sample, turn), so an episode's tokens do not depend on that order either.
 """
 
 from __future__ import annotations
@@ -123,6 +125,13 @@ class _Live:
   turns: list[Turn] = dataclasses.field(default_factory=list)
 
 
+def _outcome(future: concurrent.futures.Future) -> Step | BaseException:
+  try:
+    return future.result()
+  except Exception as e:  # A failing environment ends its episode, not the run.
+    return e
+
+
 def turn_seed(seed: int, step: int, index: int, sample: int, turn: int) -> int:
   return int(np.random.SeedSequence([seed, step, index, sample, turn]).generate_state(1)[0])
 
@@ -157,7 +166,8 @@ class EpisodeRunner:
     owner: dict[int, tuple[_Live, ...]] = {}  # request id -> episodes by sample
     done: list[list[Optional[EpisodeRecord]]] = [[None] * k for _ in problems]
     budget, queued = self._concurrent_prompts(prompts, k), 0
-    while queued < len(prompts) or not sched.idle:
+    stepping: list = []  # The last scheduler step's finished turns, their env steps running.
+    while queued < len(prompts) or not sched.idle or stepping:
       while queued < len(prompts) and self._live_prompts(done, queued) < budget:
         i = queued
         first = self._turn_sampling(sampling, 0)
@@ -168,11 +178,14 @@ class EpisodeRunner:
         queued += 1
       if between_calls is not None:
         between_calls()
-      finished = [(owner[rid][j], c, sched.held.pop((rid, j)))
-                  for rid, j, c in sched.step()]
-      for (live, completion, held), result in zip(finished, self._env_steps(finished)):
-        self._advance(sched, live, completion, held, result, sampling, seed, step, owner,
-                      done)
+      finished = []
+      for rid, j, c in sched.step():
+        live = owner[rid][j]
+        finished.append((live, c, sched.held.pop((rid, j)), self._env_step(live, c)))
+      for live, completion, held, future in stepping:  # Ran while that step decoded.
+        self._advance(sched, live, completion, held, _outcome(future), sampling, seed, step,
+                      owner, done)
+      stepping = finished
     return hosts.share([list(row) for row in done], mesh)
 
   def _concurrent_prompts(self, prompts: Sequence[list[int]], k: int) -> int:
@@ -195,17 +208,9 @@ class EpisodeRunner:
     left = self.limits.max_tokens - used
     return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, left))
 
-  def _env_steps(self, finished) -> list[Step | BaseException]:
-    """The environment's answer to each finished turn, stepped in worker threads."""
-    futures = [self._workers.submit(live.episode.step, self._reply(c))
-               for live, c, _ in finished]
-    out = []
-    for f in futures:
-      try:
-        out.append(f.result())
-      except Exception as e:  # A failing environment ends its episode, not the run.
-        out.append(e)
-    return out
+  def _env_step(self, live: _Live, c: Completion) -> concurrent.futures.Future:
+    """The environment's answer to a finished turn, stepped in a worker thread."""
+    return self._workers.submit(live.episode.step, self._reply(c))
 
   def _reply(self, c: Completion) -> str:
     tok = self.turns.tokenizer

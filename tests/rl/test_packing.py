@@ -76,3 +76,17 @@ def test_head_layout_lists_each_completion_position_once_inside_its_row_shard(sh
   np.testing.assert_array_equal(packed.gather(packed.targets),
                                 np.where(valid, packed.targets.reshape(-1)[
                                     packed.head_index][packed.head_slot], 0))
+
+
+def test_a_multi_turn_loss_mask_leaves_the_observations_out_of_the_head_and_the_loss():
+  """Episode = two model turns around an observation: the observation's tokens are inputs
+  (the second turn is conditioned on them) but no loss position and no head position."""
+  turn1, obs, turn2 = [5, 6, 2], [9, 9], [7, 2]
+  traj = Trajectory([1, 3, 4], turn1 + obs + turn2, loss_mask=[1, 1, 1, 0, 0, 1, 1])
+  packed = pack([traj, Trajectory([8], [4, 2])], row_tokens=16)
+  np.testing.assert_array_equal(packed.completion_mask[0], [1, 1, 1, 0, 0, 1, 1])
+  assert list(packed.tokens[0, :10]) == [1, 3, 4] + turn1 + obs + turn2
+  heads = set(packed.head_index.tolist())
+  masked = packed.completion_index[0][packed.completion_mask[0] == 0]
+  assert not heads & set(masked.tolist())
+  assert head_tokens(packed, 1) == 5 + 2  # The model's tokens of both trajectories.
