@@ -45,7 +45,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxrl_post.envs import Environment
 from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline.agent import AgentRLRun
 from jaxrl_post.pipeline.config import AsyncSpec
 from jaxrl_post.pipeline.loop import Progress, RLRun
 from jaxrl_post.sharding import RolloutWeights
@@ -309,9 +311,6 @@ class AsyncRLRun(RLRun):
 def run_class(exp) -> type:
   """The run for this experiment: multi-turn episodes for an environment task, else the
   one for its asynchronous mode."""
-  from jaxrl_post.envs import Environment  # The agent run imports this module's loop.
-  from jaxrl_post.pipeline.agent import AgentRLRun
-
   if isinstance(exp.task, Environment):
     if exp.asynchronous.mode != "sync":
       raise UserError(f"agent: multi-turn episodes run synchronously for now; "

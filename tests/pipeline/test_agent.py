@@ -2,9 +2,16 @@
 
 import json
 import os
+import types
+
+import pytest
 
 from jaxrl_post import evaluate, train, trajectories
-from jaxrl_post.envs import store
+from jaxrl_post.envs import GuessingGame, store
+from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline.agent import AgentRLRun
+from jaxrl_post.pipeline.config import AsyncSpec
+from jaxrl_post.pipeline.pipelined import run_class
 from jaxrl_post.telemetry import read_metrics
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -64,3 +71,11 @@ def test_agent_run_trains_on_episodes_stores_them_and_resumes(tmp_path, capsys):
   assert evaluate.main(args) == 0
   result = json.loads(capsys.readouterr().out.splitlines()[-1])
   assert result["eval/problems"] == 8 and "eval/pass@4" in result and "eval/maj@4" in result
+
+
+def test_an_environment_task_runs_synchronously_and_refuses_the_asynchronous_modes():
+  exp = types.SimpleNamespace(task=GuessingGame(), asynchronous=AsyncSpec(mode="bounded"))
+  with pytest.raises(UserError, match="multi-turn episodes run synchronously"):
+    run_class(exp)
+  assert run_class(types.SimpleNamespace(task=GuessingGame(), asynchronous=AsyncSpec())
+                   ) is AgentRLRun
