@@ -40,11 +40,15 @@ class EpisodeLimits:
     max_turns: model turns per episode (the environment's own limit also holds).
     max_tokens: tokens after the prompt, the model's and the observations'.
     reward: "sum" of the turns' rewards, or the "last" turn's, as the episode's reward.
+    step_timeout_s: longest an environment step (tool calls included) may take once the
+      driver waits for it; past it the episode ends with reward 0, counted as an error,
+      and its thread is abandoned.
   """
 
   max_turns: int = 4
   max_tokens: int = 256
   reward: str = "sum"
+  step_timeout_s: float = 60.0
 
   def __post_init__(self):
     for name in ("max_turns", "max_tokens"):
@@ -53,6 +57,9 @@ class EpisodeLimits:
                         f"got {getattr(self, name)!r}")
     if self.reward not in ("sum", "last"):
       raise UserError(f"agent spec: reward={self.reward!r} is not one of 'sum', 'last'")
+    if not isinstance(self.step_timeout_s, (int, float)) or not self.step_timeout_s > 0:
+      raise UserError(f"agent spec: step_timeout_s must be a number > 0, "
+                      f"got {self.step_timeout_s!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +132,10 @@ class _Live:
   turns: list[Turn] = dataclasses.field(default_factory=list)
 
 
-def _outcome(future: concurrent.futures.Future) -> Step | BaseException:
+def _outcome(future: concurrent.futures.Future, timeout_s: float) -> Step | BaseException:
   try:
-    return future.result()
-  except Exception as e:  # A failing environment ends its episode, not the run.
+    return future.result(timeout=timeout_s)
+  except Exception as e:  # A failing or hung environment ends its episode, not the run.
     return e
 
 
@@ -149,7 +156,7 @@ class EpisodeRunner:
     self.env_errors = 0
 
   def close(self) -> None:
-    self._workers.shutdown(wait=True)
+    self._workers.shutdown(wait=False, cancel_futures=True)  # Abandoned steps may hang.
 
   def run(self, problems: Sequence[Problem], prompts: Sequence[list[int]], k: int,
           sampling: SamplingParams, seed: int, step: int,
@@ -183,8 +190,9 @@ class EpisodeRunner:
         live = owner[rid][j]
         finished.append((live, c, sched.held.pop((rid, j)), self._env_step(live, c)))
       for live, completion, held, future in stepping:  # Ran while that step decoded.
-        self._advance(sched, live, completion, held, _outcome(future), sampling, seed, step,
-                      owner, done)
+        result = _outcome(future, self.limits.step_timeout_s)
+        self._advance(sched, live, completion, held, result, sampling, seed, step, owner,
+                      done)
       stepping = finished
     return hosts.share([list(row) for row in done], mesh)
 

@@ -205,6 +205,7 @@ class AgentSpec:
       the trainer's completions are this long at most.
     reward: an episode's reward: the "sum" of its turns' rewards or the "last" one's.
     env_workers: threads that step environments (and run their tools).
+    step_timeout_s: longest one environment step may take (see envs.EpisodeLimits).
     store: write every episode to WORKDIR/trajectories.jsonl.
   """
 
@@ -212,6 +213,7 @@ class AgentSpec:
   max_tokens: int = 256
   reward: str = "sum"
   env_workers: int = 8
+  step_timeout_s: float = 60.0
   store: bool = True
 
   def __post_init__(self):
@@ -221,7 +223,7 @@ class AgentSpec:
                       f"got {self.env_workers!r}")
 
   def limits(self) -> EpisodeLimits:
-    return EpisodeLimits(self.max_turns, self.max_tokens, self.reward)
+    return EpisodeLimits(self.max_turns, self.max_tokens, self.reward, self.step_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -36,19 +37,19 @@ def _logits(params, tokens):  # [T] -> [T, V]
   return m.logits(m(tokens[None], jnp.arange(tokens.shape[0])[None]))[0]
 
 
-def _episodes(mesh=None, k=4, engine=ENGINE):
+def _episodes(mesh=None, k=4, engine=ENGINE, game=GuessingGame(max_turns=4), limits=LIMITS):
   tok = char_tokenizer()
-  game = GuessingGame(max_turns=4)
   problems = [game.split("train")[i] for i in range(5)]
   prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in problems]
   engine = Engine.from_model(_model(), engine, mesh=mesh)
-  runner = EpisodeRunner(engine, game, TurnFormat(tok, False), LIMITS)
+  runner = EpisodeRunner(engine, game, TurnFormat(tok, False), limits)
   sampling = SamplingParams(temperature=1.0, max_tokens=3, stop_ids=tok.stop_ids)
   try:
     out = runner.run(problems, prompts, k, sampling, seed=0, step=1)
   finally:
     runner.close()
   assert engine.pages_in_use == 0  # Every episode gave its pages back.
+  _episodes.errors = runner.env_errors
   return problems, prompts, out
 
 
@@ -95,6 +96,27 @@ def test_episodes_in_cascade_blocks_equal_independent_slots():
     for x, y in zip(a, b):
       assert x.tokens == y.tokens
       np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL)
+
+
+class _Broken(GuessingGame):
+  """Problem 0's episodes raise at their first step, problem 1's hang past the timeout."""
+
+  def reset(self, problem):
+    episode = super().reset(problem)
+    if problem.id.endswith("-0"):
+      episode.step = lambda reply: 1 / 0
+    elif problem.id.endswith("-1"):
+      episode.step = lambda reply: time.sleep(3.0)
+    return episode
+
+
+def test_a_raising_or_hung_environment_ends_its_episodes_and_nothing_else():
+  limits = dataclasses.replace(LIMITS, step_timeout_s=0.5)
+  _, _, groups = _episodes(game=_Broken(max_turns=4), limits=limits)
+  assert _episodes.errors == 8  # 2 problems x 4 episodes, each at its first turn
+  for group in groups[:2]:
+    assert all(len(e.turns) == 1 and e.reward == 0.0 for e in group)
+  assert sum(len(e.turns) for g in groups[2:] for e in g) > 12  # The others played on.
 
 
 def test_scripted_episodes_mask_the_observations():
