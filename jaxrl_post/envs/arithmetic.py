@@ -82,7 +82,7 @@ class ToolArithmetic(Environment):
       raise UserError(f"{owner}: operands [{self.min_operand}, {self.max_operand}] and "
                       f"operators {self.operators!r} (of + - *) do not make expressions")
     object.__setattr__(self, "_splits", GeneratedSplits(
-        owner, self.name, self.seed, self._draw, lambda e: e, self.num_train, self.num_eval))
+        owner, self.name, self.seed, self._draw, str, self.num_train, self.num_eval))
     object.__setattr__(self, "tools", ToolRegistry([calculator()]))
 
   def _draw(self, stream: Stream) -> str:

@@ -46,6 +46,10 @@ class AgentRLRun(RLRun):
     self.store: Optional[TrajectoryStore] = None
     self._agent_metrics: dict[str, float] = {}
 
+  def _verifier_pool(self) -> None:
+    """None: every turn's reward comes from its environment, as the turn is answered."""
+    return None
+
   def start(self) -> Progress:
     progress = super().start()
     self.runner = EpisodeRunner(self.engine, self.env, self.turns, self.spec.limits(),

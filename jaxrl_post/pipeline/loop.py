@@ -94,9 +94,13 @@ class RLRun:
     # scores its share of the samples (pipeline/agreement.py), so each records its own
     # failed calls; process 0 alone writes the other files but checkpoints.
     self.dead_letter = os.path.join(workdir, dead_letter_name(jax.process_index()))
-    self.pool = VerifierPool(self.task, workers=exp.reward.workers,
-                             timeout_s=exp.reward.timeout_s, processes=exp.reward.processes,
-                             dead_letter=self.dead_letter)
+    self.pool = self._verifier_pool()
+
+  def _verifier_pool(self) -> Optional[VerifierPool]:
+    """The run's verifier workers (None: its rewards come from elsewhere)."""
+    exp = self.exp
+    return VerifierPool(self.task, workers=exp.reward.workers, timeout_s=exp.reward.timeout_s,
+                        processes=exp.reward.processes, dead_letter=self.dead_letter)
 
   # ------------------------------------------------------------------ start
 
@@ -318,7 +322,8 @@ class RLRun:
 
   def close(self) -> None:
     try:
-      self.pool.close()
+      if self.pool is not None:
+        self.pool.close()
     finally:
       self.checkpointer.close()
 

@@ -1,5 +1,7 @@
 """The built-in environments, played with scripted replies."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -59,3 +61,11 @@ def test_humaneval_feedback_shows_the_failure_and_takes_a_second_attempt():
   assert steps[1][1].solved and steps[1][1].reward == 1.0
   last = play(env, problem, ["def (", "still (not code"])
   assert "syntax" in last[0][1].observation and last[1][1].done and not last[1][1].solved
+
+
+@pytest.mark.parametrize("make", [GuessingGame, ToolArithmetic, lambda: HumanEvalFeedback(
+    num_eval=2, num_train=2)], ids=["guess", "tool_arithmetic", "humaneval_feedback"])
+def test_environments_pickle_for_worker_processes(make):
+  env = make()
+  again = pickle.loads(pickle.dumps(env))
+  assert again.split("eval")[0] == env.split("eval")[0]
