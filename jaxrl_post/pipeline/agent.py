@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxrl_post.data.prompts import PromptConfig, encode_prompt
+from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.envs import Environment, EpisodeRecord, EpisodeRunner, TurnFormat
 from jaxrl_post.envs.driver import scripted_episode
 from jaxrl_post.envs.store import TrajectoryStore
@@ -134,12 +134,7 @@ def evaluate_episodes(runner: EpisodeRunner, tokenizer, env: Environment,
   `samples` n > 0 pass@k and maj@k of n sampled episodes per problem (maj@k votes on each
   episode's last reply, as the environment reads its answer). The seeds are the same at
   every evaluation. Returns (metrics, problems kept, their prompts, greedy episodes)."""
-  kept, prompts = [], []
-  for p in problems:
-    ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
-    if ids is not None:
-      kept.append(p)
-      prompts.append(ids)
+  kept, prompts = rollouts.held_out_prompts(tokenizer, problems, prompt_cfg)
   out: dict[str, float] = {"eval/problems": len(kept), "eval/skipped": len(problems) - len(kept)}
   if not kept:
     return out | {"eval/accuracy": 0.0}, kept, prompts, []

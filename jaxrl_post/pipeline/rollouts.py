@@ -142,6 +142,18 @@ def rollout_metrics(groups: Sequence[Group], seconds: float) -> dict[str, float]
                                             for g in groups for c in g.completions)}
 
 
+def held_out_prompts(tokenizer: Tokenizer, problems: Sequence[Problem],
+                     prompt_cfg: PromptConfig) -> tuple[list[Problem], list[list[int]]]:
+  """The problems whose prompts fit the budget, and their ids (the rest are skipped)."""
+  kept, prompts = [], []
+  for p in problems:
+    ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
+    if ids is not None:
+      kept.append(p)
+      prompts.append(ids)
+  return kept, prompts
+
+
 def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequence[Problem],
              prompt_cfg: PromptConfig, max_new_tokens: int, scheduler: SchedulerConfig, *,
              pool: Optional[VerifierPool] = None, step: int = 0, samples: int = 0,
@@ -157,12 +169,7 @@ def evaluate(engine: Engine, tokenizer: Tokenizer, task: Task, problems: Sequenc
       return evaluate(engine, tokenizer, task, problems, prompt_cfg, max_new_tokens,
                       scheduler, pool=own, step=step, samples=samples,
                       temperature=temperature)
-  kept, prompts = [], []
-  for p in problems:
-    ids, _ = encode_prompt(tokenizer, p, prompt_cfg)
-    if ids is not None:
-      kept.append(p)
-      prompts.append(ids)
+  kept, prompts = held_out_prompts(tokenizer, problems, prompt_cfg)
   greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
                           stop_ids=tokenizer.stop_ids)
   _, correct, stats = _score_held_out(engine, tokenizer, kept, prompts, 1, greedy, scheduler,
