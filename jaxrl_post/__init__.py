@@ -1,3 +1,9 @@
 """jaxrl_post: RL post-training for language models as one JAX SPMD program."""
 
+import os as _os
+
+from jaxrl_post import _checkout
+
 __version__ = "0.1.0"
+
+_checkout.install(__name__, _os.path.dirname(__file__))

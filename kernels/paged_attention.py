@@ -328,6 +328,20 @@ def resolve_backend(backend, interpret):
   return backend, interpret
 
 
+def kernel_supports(head_dim: int, page_size: int, backend: str | None = None) -> bool:
+  """Whether the decode kernel for the traced-for platform takes pools of this shape.
+
+  Triton's needs power-of-two head_dim and page_size and head_dim >= 16 (tl.dot); it pads
+  neither, since padding the pool would copy all of it per call. Mosaic's blocks are whole
+  pages, any shape. Callers route other shapes to the plain-jnp path (rollout.attention).
+  """
+  backend, _ = resolve_backend(backend, None)
+  if backend == "mosaic":
+    return True
+  power_of_two = lambda n: n > 0 and not n & (n - 1)
+  return power_of_two(head_dim) and power_of_two(page_size) and head_dim >= 16
+
+
 def _check_inputs(q, k_pages, v_pages, page_table, lengths):
   b, hq, d = q.shape
   hkv, _, _, dk = k_pages.shape

@@ -434,7 +434,10 @@ def peer_runner(spec: dict):
   dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
   model = transformers.AutoModelForCausalLM.from_pretrained(
       folder, gguf_file=name, **{dtype_kw: torch.float32})
-  model.eval()
+  # On a GPU host the peer runs on the GPU too: the comparison is device against device.
+  device = torch.device(spec.get("device", "cpu"))
+  model.to(device).eval()
+  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
   eos, new_tokens, prompts = spec["eos_id"], spec["new_tokens"], spec["prompts"]
   stop_ids = set(spec["stop_ids"])
 
@@ -447,6 +450,7 @@ def peer_runner(spec: dict):
     def put(self, value):
       self.puts += 1
       if self.puts == 2:  # The first put is the prompt itself.
+        sync()  # On a GPU the prefill is done only once its token is.
         self.first = time.perf_counter()
 
     def end(self):
@@ -459,11 +463,13 @@ def peer_runner(spec: dict):
     for r, p in enumerate(batch):  # Left padding: every row's last token is its prompt's.
       ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
       mask[r, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     clock = FirstToken()
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                          max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos,
                          streamer=clock)
+    sync()
     end = time.perf_counter()
     rows = [trim_at_stop(r, stop_ids, new_tokens) for r in out[:, width:].tolist()]
     return rows, clock.first - start, end - clock.first
@@ -484,6 +490,7 @@ def peer_runner(spec: dict):
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     figures = rates(wall, prefill_s, decode_s, sum(len(p) for p in prompts), completions)
     figures.update(cpu_s=round(cpu, 1), batch=spec["batch"], threads=spec["threads"],
+                   device=str(device),
                    versions={"torch": torch.__version__,
                              "transformers": transformers.__version__},
                    completions=completions)
@@ -675,7 +682,8 @@ def run(args) -> dict:
   time_ours = ours_runner(model, prompts, tok.stop_ids, args)
   spec = {"gguf": embedded_path(MODEL), "prompts": prompts, "eos_id": tok.eos_id,
           "stop_ids": list(tok.stop_ids), "new_tokens": args.new_tokens,
-          "batch": args.peer_batch, "threads": cores()}
+          "batch": args.peer_batch, "threads": cores(),
+          "device": "cuda" if jax.default_backend() == "gpu" else "cpu"}
   our_runs, peer_runs = interleave(time_ours, open_peer(spec, args), args.repeats)
   our_completions = our_runs[0][1]
   ours = best_of([f for f, _ in our_runs])

@@ -315,9 +315,15 @@ def settings(args) -> tuple[Setting, Setting]:
 def run(args) -> dict[str, Any]:
   one, eight = settings(args)
   memory_1b = memory_breakdown(one, args.device_gb, args.pool_fraction)
-  memory_8b = memory_breakdown(eight, args.device_gb, args.pool_fraction)
-  flops = train_flops_ratio(one.model, 8, one.row_tokens, one.completion_len)
-  greedy = rollout_mesh_greedy_equal()
+  # The 8-device figures need 8 devices (a one-GPU host has one; `python -m jaxrl_post.plan
+  # --target=h100x8` compiles for eight without them).
+  skipped = {"value": None, "skipped": f"needs 8 devices, {jax.device_count()} here"}
+  multi = jax.device_count() >= 8
+  memory_8b = (memory_breakdown(eight, args.device_gb, args.pool_fraction) if multi
+               else dict(skipped))
+  flops = (train_flops_ratio(one.model, 8, one.row_tokens, one.completion_len) if multi
+           else {"ratio": None, **skipped})
+  greedy = rollout_mesh_greedy_equal() if multi else dict(skipped)
   shapes = compiled_shapes(2 if args.quick else 20, 1 if args.quick else jax.device_count())
   return {
       "memory_gb_1b_1dev": memory_1b,

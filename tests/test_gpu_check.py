@@ -27,3 +27,17 @@ def test_a_part_that_works_and_a_part_that_fails(tmp_path):
   rc, report = _check(tmp_path, "--model no-such-model")
   assert rc == 1 and report["parts"]["greedy"]["rc"] != 0
   assert "no-such-model" in report["parts"]["greedy"]["log_tail"]
+
+
+def test_out_of_budget_parts_are_recorded_as_skipped(tmp_path):
+  """BUDGET_S bounds the whole check (a lent GPU's time is short): parts that would start
+  with under 20 s left are skipped, and the JSON is still written."""
+  out = tmp_path / "check.json"
+  env = dict(os.environ, PARTS="greedy kernels", BUDGET_S="1", GPU_CHECK_OUT=str(out),
+             JAX_PLATFORMS="cpu", XLA_FLAGS=host_flags(1))
+  done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  report = json.loads(out.read_text())
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert report["parts"] == {"greedy": {"skipped": "out of BUDGET_S"},
+                             "kernels": {"skipped": "out of BUDGET_S"}}

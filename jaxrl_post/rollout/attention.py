@@ -9,8 +9,9 @@ exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's pa
 
 Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
 pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
-sliding-window layers and soft-capped scores, which the kernel does not cover (a windowed
-layer gathers only the pages its window spans). Prefill stays plain jnp.
+sliding-window layers, soft-capped scores and pool shapes the GPU kernel does not take
+(`kernels.paged_attention.kernel_supports`; a windowed layer gathers only the pages its
+window spans). Prefill stays plain jnp.
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import _group_queries, _ungroup
-from jaxrl_post.kernels.paged_attention import merge_attention_parts
+from jaxrl_post.kernels.paged_attention import kernel_supports, merge_attention_parts
 from jaxrl_post.models import layers as L
 from jaxrl_post.sharding import on_accelerator
 
@@ -46,10 +47,14 @@ class SharedPrefix(NamedTuple):
   lengths: jax.Array  # [G] int32 tokens in them (a multiple of page_size; 0 for none)
 
 
-def use_kernel_default() -> bool:
+def use_kernel_default(k_pool=None) -> bool:
   """Kernels where the traced-for devices are accelerators (the engine traces attention
-  inside shard_map over its mesh, whose devices say; see sharding.platform)."""
-  return on_accelerator()
+  inside shard_map over its mesh, whose devices say; see sharding.platform) and the
+  kernel takes the pool's shape (a head_dim of 8, or 80, has no Triton kernel: such a
+  model decodes on the jnp path rather than failing to compile)."""
+  if not on_accelerator():
+    return False
+  return k_pool is None or kernel_supports(k_pool.shape[-1], k_pool.shape[-2])
 
 
 def gather_pages(pool, layer, page_table):  # [Hkv, L, P, ps, D], [], [B, M] -> [B, M*ps, Hkv, D]
@@ -98,7 +103,7 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     [B, Hq, D] in q's dtype.
   """
   if use_kernel is None:
-    use_kernel = use_kernel_default() and sliding_window is None and logit_cap is None
+    use_kernel = use_kernel_default(k_pool) and sliding_window is None and logit_cap is None
   if use_kernel:
     if sliding_window is not None or logit_cap is not None:
       raise ValueError("the paged attention kernel has no sliding window or soft-capping")
@@ -248,6 +253,6 @@ def cascade_decode_attention(q, k_pool, v_pool, layer, shared: SharedPrefix, suf
     [B, Hq, D] in q's dtype.
   """
   if use_kernel is None:
-    use_kernel = use_kernel_default()
+    use_kernel = use_kernel_default(k_pool)
   attend = _kernel_cascade if use_kernel else _jnp_cascade
   return attend(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths)

@@ -30,6 +30,37 @@ def test_kernel_refuses_a_sliding_window():
                            jnp.ones((1,), jnp.int32), sliding_window=4, use_kernel=True)
 
 
+@pytest.mark.parametrize("d, page_size, kernel", [(16, 8, True), (8, 8, False),
+                                                   (80, 16, False), (64, 12, False)])
+def test_accelerator_default_takes_the_kernel_only_for_shapes_it_compiles(
+    monkeypatch, d, page_size, kernel):
+  """On a GPU the Triton decode kernel refuses head_dim 8 or 80 and odd page sizes (a tiny
+  model's head_dim 8 failed to compile there): the default routes those to plain jnp."""
+  from jaxrl_post.kernels.paged_attention import kernel_supports
+  from jaxrl_post.rollout import attention
+
+  monkeypatch.setattr(attention, "on_accelerator", lambda: True)
+  called = []
+  for name in ("_kernel_decode", "_kernel_cascade"):
+    real = getattr(attention, name)
+    monkeypatch.setattr(attention, name, lambda *a, real=real: called.append(1) or real(*a))
+  rng = np.random.default_rng(d)
+  k_pool, v_pool = _stacked_pool(rng, 1, 1, 3, page_size, d)
+  q = jnp.asarray(rng.normal(size=(2, 2, d)), jnp.float32)
+  table, lengths = jnp.asarray([[1, 2], [2, 0]], jnp.int32), jnp.asarray([9, 3], jnp.int32)
+  out = paged_decode_attention(q, k_pool, v_pool, jnp.int32(0), table, lengths)
+  want = paged_decode_attention(q, k_pool, v_pool, jnp.int32(0), table, lengths,
+                                use_kernel=False)
+  assert bool(called) == kernel
+  np.testing.assert_allclose(out, want, atol=2e-5)  # f32 kernel tolerance
+  shared = SharedPrefix(jnp.asarray([[1]], jnp.int32), jnp.asarray([page_size], jnp.int32))
+  called.clear()
+  cascade_decode_attention(q, k_pool, v_pool, jnp.int32(0), shared,
+                           jnp.asarray([[2], [0]], jnp.int32), jnp.asarray([1, 1], jnp.int32))
+  assert bool(called) == kernel
+  assert kernel_supports(d, page_size, backend="mosaic")
+
+
 def _stacked_pool(rng, hkv, n_layers, n_pages, ps, d):
   shape = (hkv, n_layers, n_pages, ps, d)
   return (jnp.asarray(rng.normal(size=shape), jnp.float32),
