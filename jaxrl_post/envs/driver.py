@@ -8,8 +8,9 @@ prefills only the turn's last token and the observation after the pages already 
 Episodes end when the environment says so, after max_turns, or when the next turn would
 pass max_tokens (every token after the prompt: the model's and the observations').
 
-Environment steps (and the tools they call) run in worker threads while the engine goes
-on decoding the other episodes: the turns that one scheduler step finished are stepped
+Environment steps run in worker threads (the tools they call in the verifier pool's
+processes, when the run bound one: envs.tools) while the engine goes on decoding the other
+episodes: the turns that one scheduler step finished are stepped
 during the next scheduler step, and their next turns are queued right after it, whatever
 the threads' timing. The order of device calls is then a function of the tokens alone, the
 same on every process and in a resumed run. Each turn's random draws come from (seed,

@@ -9,12 +9,18 @@ Two call formats are read:
 Whatever goes wrong -- a call that is not JSON, an unknown tool, a bad argument, an error or
 a timeout inside the tool -- comes back as the text of the next observation, so the model
 sees it and the episode goes on; nothing a model writes raises out of a registry.
+
+A registry bound to a verifier pool (`ToolRegistry.bind`, as the agent run does) runs each
+tool in the pool's worker processes: a tool that hangs is killed at the pool's deadline
+and one that crashes takes down only its worker, never the trainer.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import operator
@@ -133,18 +139,28 @@ def calculator() -> Tool:
   return Tool("calculator", "expression", calculate)
 
 
+def _run_python(code: str, limits: Limits) -> str:
+  try:
+    result = run_program(code, limits=limits)
+  except SandboxError as e:
+    raise ToolError(f"the sandbox failed: {e}") from None
+  if result.status == "ok":
+    return result.stdout.strip() or "(no output)"
+  return f"{result.status}: {result.reason}"[:400]
+
+
 def python_sandbox(limits: Limits = Limits(timeout_s=5.0)) -> Tool:
   """Runs a program in the code sandbox (rewards/sandbox.py, its own process and limits);
   the observation is what it printed, or how it failed."""
-  def run(code: str) -> str:
-    try:
-      result = run_program(code, limits=limits)
-    except SandboxError as e:
-      raise ToolError(f"the sandbox failed: {e}") from None
-    if result.status == "ok":
-      return result.stdout.strip() or "(no output)"
-    return f"{result.status}: {result.reason}"[:400]
-  return Tool("python", "code", run)
+  return Tool("python", "code", functools.partial(_run_python, limits=limits))
+
+
+def _observation(run: Callable[[str], str], value: str) -> str:
+  """A tool's result, or its ToolError, as observation text (in a pool worker too)."""
+  try:
+    return run(value)
+  except ToolError as e:
+    return f"error: {e}"
 
 
 class ToolRegistry:
@@ -152,6 +168,17 @@ class ToolRegistry:
 
   def __init__(self, tools: Sequence[Tool]):
     self.tools = {t.name: t for t in tools}
+    self._pool, self._keys = None, itertools.count()
+
+  def bind(self, pool) -> None:
+    """Runs every tool in `pool`'s workers (a rewards.VerifierPool); None: in the caller."""
+    self._pool = pool
+
+  def __getstate__(self):  # Sent to pool workers with its environment: without the pool.
+    return {"tools": self.tools}
+
+  def __setstate__(self, state):
+    self.__init__(list(state["tools"].values()))
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -172,7 +199,11 @@ class ToolRegistry:
     value = call.arguments.get(tool.argument, call.arguments.get(""))
     if not isinstance(value, str):
       return f"error: {call.name} takes one string argument {tool.argument!r}"
-    try:
-      return tool.run(value)
-    except ToolError as e:
-      return f"error: {e}"
+    if self._pool is None:
+      return _observation(tool.run, value)
+    done = self._pool.call(("tool", id(self), next(self._keys)), _observation, tool.run, value)
+    if done.kind == "ok":
+      return done.value
+    if done.kind == "timeout":
+      return f"error: {call.name} was stopped after {self._pool.timeout_s:g} s"
+    return f"error: {call.name} failed ({done.reason})"

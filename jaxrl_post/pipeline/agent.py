@@ -2,8 +2,8 @@
 
 Only the rollout side changes. A step draws K episodes per prompt with the multi-turn
 driver (envs.driver: each trajectory's K/V stays in the pool between its turns), takes
-each episode's reward from its environment (no verifier pool: the environment scored every
-turn as it answered it), and hands the trainer every token after the prompt with a loss
+each episode's reward from its environment (it scored every turn as it answered it; the
+verifier pool's workers run only the environment's tool calls), and hands the trainer every token after the prompt with a loss
 mask over the model's own: observations condition the policy but are never trained on.
 Advantages are GRPO's over the K episodes of a problem. Evaluation is the greedy success
 rate of episodes, and pass@k / maj@k over sampled ones.
@@ -21,10 +21,11 @@ from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.envs import Environment, EpisodeRecord, EpisodeRunner, TurnFormat
 from jaxrl_post.envs.driver import scripted_episode
 from jaxrl_post.envs.store import TrajectoryStore
+from jaxrl_post.envs.tools import ToolRegistry
 from jaxrl_post.errors import UserError
 from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.loop import Progress, RLRun
-from jaxrl_post.rewards import Problem, VerifierStats, at_k
+from jaxrl_post.rewards import Problem, VerifierPool, VerifierStats, at_k
 from jaxrl_post.rl.packing import Trajectory
 from jaxrl_post.rollout import SamplingParams
 
@@ -46,9 +47,15 @@ class AgentRLRun(RLRun):
     self.store: Optional[TrajectoryStore] = None
     self._agent_metrics: dict[str, float] = {}
 
-  def _verifier_pool(self) -> None:
-    """None: every turn's reward comes from its environment, as the turn is answered."""
-    return None
+  def _verifier_pool(self) -> Optional[VerifierPool]:
+    """Workers for the environment's tool calls (killable, off the trainer's process); None
+    for an environment without tools. Rewards come from the environment, turn by turn."""
+    tools = getattr(self.exp.task, "tools", None)
+    if not isinstance(tools, ToolRegistry):
+      return None
+    pool = super()._verifier_pool()
+    tools.bind(pool)
+    return pool
 
   def start(self) -> Progress:
     progress = super().start()
@@ -112,6 +119,9 @@ class AgentRLRun(RLRun):
     try:
       if getattr(self, "runner", None) is not None:
         self.runner.close()
+      tools = getattr(self.exp.task, "tools", None)
+      if isinstance(tools, ToolRegistry):
+        tools.bind(None)  # The pool closes below; the environment may be used again.
     finally:
       super().close()
 

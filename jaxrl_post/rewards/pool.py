@@ -21,6 +21,9 @@ spawned process, the trainer's main module is imported in each worker (guard its
 with `if __name__ == "__main__"`), and the task's class must be importable there. A task
 that cannot be pickled can score on threads instead (`processes=False`): the same pool, but
 a hung call can only be abandoned, not killed.
+
+The same workers also run plain function calls (`call`): an agent's tool calls go through
+them with the same deadline, kill and dead-letter handling, off the trainer's process.
 """
 
 from __future__ import annotations
@@ -103,16 +106,32 @@ class _Outcome(NamedTuple):
   kind: str  # "ok" or one of KINDS.
   error_type: str | None
   seconds: float
-  parts: dict | None  # The reward's named components, for a task that has them.
+  parts: Any  # The reward's named components (None without), or a call's return value.
+
+
+class CallResult(NamedTuple):
+  """How one `call` went: its return value when kind is "ok", else None and the reason."""
+  value: Any
+  kind: str  # "ok" or one of KINDS.
+  reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A function call for a worker (`VerifierPool.call`): fn and args must pickle."""
+  fn: Any
+  args: tuple
 
 
 @dataclasses.dataclass
 class _Job:
   key: Hashable
-  problem: Problem
-  completion: str
+  problem: Problem | None
+  completion: str | None
   step: int | None
   started: float = 0.0  # time.monotonic() when a worker took it.
+  call: _Call | None = None  # Set: run this instead of scoring.
+  reason: str | None = None  # Why it failed, for `call`'s result.
 
 
 def _serve(conn: connection.Connection, task: Task, own_process: bool) -> None:
@@ -125,12 +144,20 @@ def _serve(conn: connection.Connection, task: Task, own_process: bool) -> None:
   try:
     conn.send(_READY)
     while True:
-      problem, completion = conn.recv()
-      conn.send(verify(task, problem, completion))
+      message = conn.recv()
+      conn.send(_run(message) if isinstance(message, _Call) else verify(task, *message))
   except (EOFError, OSError):
     return  # The pool closed, or abandoned this (thread) worker: nobody is listening.
   finally:
     conn.close()
+
+
+def _run(call: _Call) -> tuple[float, Any, str | None, str | None]:
+  """A plain call in `verify`'s reply shape: (0.0, its value, None, None), or the error."""
+  try:
+    return 0.0, call.fn(*call.args), None, None
+  except Exception as e:  # Contained like a verifier's: the caller gets a failed result.
+    return 0.0, None, type(e).__name__, " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
 def _exit_with_parent() -> None:
@@ -278,6 +305,31 @@ class VerifierPool:
       self._queue.append(job)
       self._wake()
 
+  def call(self, key: Hashable, fn: Any, *args: Any, step: int | None = None) -> CallResult:
+    """Runs fn(*args) on a worker and blocks until it is done: the same deadline, kill and
+    dead-letter handling as scoring. fn and args must pickle (a module-level function).
+
+    Raises:
+      ValueError: `key` is already in the pool.
+      RuntimeError: The pool is closed.
+    """
+    with self._cond:
+      if self._closed:
+        raise RuntimeError("verifier pool: call after close")
+      if key in self._jobs or key in self._done:
+        raise ValueError(f"verifier pool: key {key!r} was already submitted")
+      job = _Job(key, None, None, step, call=_Call(fn, tuple(args)))
+      self._jobs[key] = job
+      if self._broken is not None:
+        self._finish(job, "crash", self._broken)
+      else:
+        self._queue.append(job)
+        self._wake()
+      self._cond.wait_for(lambda: key in self._done)
+      outcome = self._done.pop(key)
+    ok = outcome.kind == "ok"
+    return CallResult(outcome.parts if ok else None, outcome.kind, None if ok else job.reason)
+
   def results(self, keys: Sequence[Hashable]) -> tuple[np.ndarray, VerifierStats]:
     """Blocks until every key's call is done (or failed); collects them.
 
@@ -383,7 +435,7 @@ class VerifierPool:
       if w.ready and w.job is None and not w.dead:
         job = self._queue.popleft()
         try:
-          w.conn.send((job.problem, job.completion))
+          w.conn.send(job.call or (job.problem, job.completion))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
           self._finish(job, "error", f"cannot send to a worker: {type(e).__name__}: {e}",
                        error_type=type(e).__name__)
@@ -453,6 +505,7 @@ class VerifierPool:
     if self._jobs.pop(job.key, None) is None:
       return  # Already failed (e.g. by `_give_up`) before its worker answered.
     seconds = time.monotonic() - job.started if job.started else 0.0
+    job.reason = reason
     self._done[job.key] = _Outcome(reward, kind, error_type, seconds, parts)
     if kind != "ok":
       self._write_dead_letter(job, kind, reason or "")
@@ -469,6 +522,9 @@ class VerifierPool:
         self._dead_letter_file = open(self._dead_letter_path, "a", buffering=1)
       record = {"step": job.step, "problem_id": getattr(job.problem, "id", None),
                 "key": job.key, "type": kind, "reason": reason}
+      if job.call is not None:  # A tool call: which function failed.
+        fn = job.call.fn
+        record["call"] = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
       self._dead_letter_file.write(json.dumps(record, default=repr) + "\n")
     except OSError:
       pass  # A full disk loses the record, not the step: the counters still show it.

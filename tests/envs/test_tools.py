@@ -58,3 +58,34 @@ def test_python_runs_in_the_sandbox_with_its_time_limit():
   assert tools.call("```python\nprint(sum(range(10)))\n```") == "45"
   assert tools.call("```python\nwhile True: pass\n```").startswith("timeout")
   assert "ValueError: no" in tools.call("```python\nraise ValueError('no')\n```")
+
+
+def test_a_registry_bound_to_a_verifier_pool_runs_its_tools_there():
+  """The agent run binds the environment's tools to its verifier pool: calls run in the
+  pool's worker processes, a hang is killed at the pool's deadline and comes back as an
+  observation, and the registry still pickles (it travels to workers with its env)."""
+  import os
+  import pickle
+
+  from jaxrl_post.envs import ToolArithmetic
+  from jaxrl_post.envs.tools import Tool
+  from jaxrl_post.rewards import VerifierPool
+  from tests.rewards.test_pool import act
+
+  env = ToolArithmetic()
+  tools = ToolRegistry([calculator(), python_sandbox(),
+                        Tool("pid", "what", act), Tool("hang", "what", act)])
+  # The env as the task, as the agent run has it: workers import envs before the clock runs.
+  with VerifierPool(env, workers=2, timeout_s=2.0) as pool:
+    assert pool.wait_ready()
+    tools.bind(pool)
+    assert pickle.loads(pickle.dumps(tools)).call("```calculator\n6 * 7\n```") == "42"
+    assert tools.call("```calculator\n6 * 7\n```") == "42"
+    assert tools.call("```calculator\n1 / 0\n```") == "error: division by zero"
+    assert tools.call("```python\nprint(3 + 4)\n```") == "7"
+    pid = int(tools.call("```pid\npid\n```"))
+    assert pid in pool.pids and pid != os.getpid()
+    assert tools.call("```hang\nhang\n```") == "error: hang was stopped after 2 s"
+    assert tools.call('```pid\ncrash\n```').startswith("error: pid failed (worker exited")
+    env.tools.bind(pool)
+    assert pickle.loads(pickle.dumps(env)).tools.call("```calculator\n2 ** 5\n```") == "32"

@@ -79,3 +79,35 @@ def test_an_environment_task_runs_synchronously_and_refuses_the_asynchronous_mod
     run_class(exp)
   assert run_class(types.SimpleNamespace(task=GuessingGame(), asynchronous=AsyncSpec())
                    ) is AgentRLRun
+
+
+def test_the_agent_run_sends_its_environments_tool_calls_to_its_verifier_pool(tmp_path):
+  """ToolArithmetic's calculator runs in the run's verifier pool workers; an environment
+  without tools (the guessing game) starts no pool."""
+  from jaxrl_post.envs import ToolArithmetic
+
+  overrides = ['ModelSpec.overrides = {"vocab_size": 128, "hidden_size": 32, '
+               '"intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, '
+               '"head_dim": 16, "max_position_embeddings": 512}',
+               "Experiment.task = @ToolArithmetic()", "PromptConfig.max_prompt_tokens = 400",
+               "TrainerConfig.row_tokens = 512", "AgentSpec.max_tokens = 64",
+               "RewardSpec.timeout_s = 5.0"]
+  exp, workdir = train.prepare(_argv(str(tmp_path / "tools"), overrides))
+  assert isinstance(exp.task, ToolArithmetic)
+  run = AgentRLRun(exp, workdir)
+  try:
+    assert run.pool is not None and run.pool.wait_ready()
+    assert exp.task.tools._pool is run.pool
+    calls, real = [], run.pool.call
+    run.pool.call = lambda key, fn, *args: calls.append(args) or real(key, fn, *args)
+    assert exp.task.tools.call("```calculator\n12 * 12\n```") == "144"
+    assert [a[1] for a in calls] == ["12 * 12\n"]  # Through the pool's workers.
+  finally:
+    run.close()
+  assert exp.task.tools._pool is None
+  exp, workdir = train.prepare(_argv(str(tmp_path / "game")))
+  run = AgentRLRun(exp, workdir)
+  try:
+    assert run.pool is None
+  finally:
+    run.close()

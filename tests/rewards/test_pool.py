@@ -217,3 +217,38 @@ def test_bad_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="unsubmitted"):
       pool.results([1])
     pool.results([0])
+
+
+def act(what):
+  """A plain call for `VerifierPool.call`: module-level, so workers can import it."""
+  what = what.strip()  # A fenced tool call's body ends with its newline.
+  if what == "pid":
+    return os.getpid()
+  if what == "boom":
+    raise ValueError("tool exploded")
+  if what == "crash":
+    os._exit(4)
+  time.sleep(3600)
+
+
+def test_plain_calls_run_on_the_workers_with_the_same_failure_handling(dead_letter):
+  """An agent's tool calls use the pool's workers: a result comes back; an exception, a
+  crash and a hang each fail only that call (the hang is killed at the deadline)."""
+  path, lines = dead_letter
+  with VerifierPool(Scripted(), workers=2, timeout_s=1.0, dead_letter=str(path)) as pool:
+    assert pool.wait_ready()
+    done = pool.call("a", act, "pid")
+    assert done.kind == "ok" and done.value in pool.pids and done.value != os.getpid()
+    done = pool.call("b", act, "boom", step=2)
+    assert done.value is None and done.kind == "error"
+    assert done.reason == "ValueError: tool exploded"
+    assert pool.call("c", act, "crash").kind == "crash"
+    start = time.monotonic()
+    hung = pool.call("d", act, "hang")
+    assert hung.kind == "timeout" and time.monotonic() - start < 5.0
+    pool.submit(0, problem(0), "1")  # Scoring goes on beside the calls.
+    assert pool.results([0])[0].tolist() == [1.0]
+    assert pool.call("a", act, "pid").kind == "ok"  # A collected key may be used again.
+  records = {r["key"]: r for r in lines()}
+  assert records["b"]["call"] == "act" and records["b"]["step"] == 2
+  assert records["c"]["type"] == "crash" and records["d"]["type"] == "timeout"
