@@ -2,8 +2,9 @@
 
 import os as _os
 
-from jaxrl_post import _checkout
+from jaxrl_post import _checkout, _libtpu
 
 __version__ = "0.1.0"
 
 _checkout.install(__name__, _os.path.dirname(__file__))
+_libtpu.quiet_without_tpu()  # Before jax starts a backend: every command imports us first.

@@ -43,3 +43,23 @@ def test_a_bare_checkout_imports_kernels_and_sharding(tmp_path):
   paths = done.stdout.split()
   assert paths == [os.path.join(ROOT, "kernels", "paged_attention.py"),
                    os.path.join(ROOT, "sharding", "mesh.py")]
+
+
+def test_commands_start_without_libtpus_error_block_on_a_host_without_tpus(tmp_path):
+  """With libtpu installed (the test and tpu extras) and no TPU, jax printed a block of
+  TPU-discovery errors in every command; importing jaxrl_post first keeps libtpu quiet."""
+  import importlib.util
+
+  from jaxrl_post import _libtpu
+
+  if _libtpu.has_tpu_hardware():
+    return  # A TPU VM: libtpu is the runtime there and is left alone.
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("TPU_", "ALLOW_MULTIPLE_LIBTPU")) and k != "JAX_PLATFORMS"}
+  run = lambda code: subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=300)
+  ours = run("import jaxrl_post, jax; print(jax.devices()[0].platform)")
+  assert ours.returncode == 0 and "TPU" not in ours.stderr, ours.stderr[-2000:]
+  if importlib.util.find_spec("libtpu") is not None:  # The block this prevents.
+    bare = run("import jax; print(jax.devices()[0].platform)")
+    assert "TPU" in bare.stderr

@@ -22,6 +22,7 @@ import os
 import re
 from typing import Optional
 
+from jaxrl_post import _libtpu
 from jaxrl_post.errors import UserError
 
 GB = 1e9
@@ -187,10 +188,7 @@ def compile_only_tpu_env() -> None:
   file), and it looks for no TPU metadata server or worker list, which a CPU host lacks.
   Explicit settings win.
   """
-  for key, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
-                     ("TPU_ACCELERATOR_TYPE", "v5litepod-4")):
-    os.environ.setdefault(key, value)
+  _libtpu.compile_only_env()
 
 
 def has_cuda_compiler() -> bool:
