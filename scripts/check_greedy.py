@@ -87,7 +87,8 @@ def check(args) -> int:
                                 for i, outs in enumerate(out) if not same[i]]}
   report = {"model": args.model, "device": str(jax.devices()[0].device_kind),
             "backend": jax.default_backend(), "jax": jax.__version__,
-            "new_tokens": args.new_tokens, "precision": args.precision, "seconds": round(time.perf_counter() - start, 2),
+            "new_tokens": args.new_tokens, "precision": args.precision,
+            "seconds": round(time.perf_counter() - start, 2),
             **results}
   print(json.dumps(report) if args.json else json.dumps(report, indent=1))
   return 0 if all(r["agreement"] == 1.0 for r in results.values()) else 1

@@ -3,8 +3,9 @@
 Only the rollout side changes. A step draws K episodes per prompt with the multi-turn
 driver (envs.driver: each trajectory's K/V stays in the pool between its turns), takes
 each episode's reward from its environment (it scored every turn as it answered it; the
-verifier pool's workers run only the environment's tool calls), and hands the trainer every token after the prompt with a loss
-mask over the model's own: observations condition the policy but are never trained on.
+verifier pool's workers run only the environment's tool calls), and hands the trainer
+every token after the prompt with a loss mask over the model's own: observations
+condition the policy but are never trained on.
 Advantages are GRPO's over the K episodes of a problem. Evaluation is the greedy success
 rate of episodes, and pass@k / maj@k over sampled ones.
 """
