@@ -174,13 +174,18 @@ class EpisodeRunner:
     owner: dict[int, tuple[_Live, ...]] = {}  # request id -> episodes by sample
     done: list[list[Optional[EpisodeRecord]]] = [[None] * k for _ in problems]
     budget, queued = self._concurrent_prompts(prompts, k), 0
+    shard_of: list[int] = []  # Per queued prompt, the data shard holding its episodes.
     stepping: list = []  # The last scheduler step's finished turns, their env steps running.
     while queued < len(prompts) or not sched.idle or stepping:
-      while queued < len(prompts) and self._live_prompts(done, queued) < budget:
+      while queued < len(prompts):
+        shard = self._open_shard(done, shard_of, budget)
+        if shard is None:
+          break
         i = queued
         first = self._turn_sampling(sampling, 0)
         rid = sched.submit(prompts[i], first, n=k, seed=turn_seed(seed, step, i, 0, 0),
-                           keep=True)
+                           keep=True, shard=shard)
+        shard_of.append(shard)
         owner[rid] = tuple(_Live(i, j, self.env.reset(problems[i]), list(prompts[i]))
                            for j in range(k))
         queued += 1
@@ -198,7 +203,7 @@ class EpisodeRunner:
     return hosts.share([list(row) for row in done], mesh)
 
   def _concurrent_prompts(self, prompts: Sequence[list[int]], k: int) -> int:
-    """Prompts whose K episodes the pool holds at their longest, all at once."""
+    """Prompts whose K episodes one data shard's pool holds at their longest, all at once."""
     ps, longest = self.engine.page_size, max(len(p) for p in prompts)
     pages = cdiv(longest + self.limits.max_tokens, ps) + 1  # +1: a copy on write
     usable = sum(a.usable for a in self.engine.allocs) // self.engine.shards
@@ -207,11 +212,18 @@ class EpisodeRunner:
       raise UserError(f"agent: {k} episodes of up to {longest} + {self.limits.max_tokens} "
                       f"tokens need {k * pages} KV pages at once; the pool has {usable} per "
                       "data shard (raise the pool or lower max_tokens or the group size)")
-    return per_shard * self.engine.shards
+    return per_shard
 
-  @staticmethod
-  def _live_prompts(done, queued: int) -> int:
-    return sum(1 for row in done[:queued] if any(e is None for e in row))
+  def _open_shard(self, done, shard_of: Sequence[int], budget: int) -> Optional[int]:
+    """The data shard for the next prompt: the one with the fewest live prompts, if under
+    `budget`. An episode's later turns run where its pages are, so the shards are balanced
+    by the episodes they hold, not by free slots (held pages take no slot): no shard ever
+    holds more episodes than its pool can grow to their longest."""
+    live = [0] * self.engine.shards
+    for row, shard in zip(done, shard_of):
+      live[shard] += any(e is None for e in row)
+    shard = min(range(len(live)), key=lambda s: live[s])
+    return shard if live[shard] < budget else None
 
   def _turn_sampling(self, sampling: SamplingParams, used: int) -> SamplingParams:
     left = self.limits.max_tokens - used

@@ -43,7 +43,8 @@ slot is a block of one, which is plain continuous batching.
 
 Data shards: on a rollout mesh the engine's slots and pages are split over D data shards
 (slots [s * B/D, (s + 1) * B/D) decode with shard s's pages). A prompt is admitted to one
-shard, the one with the most free blocks not yet promised, and its samples enter only that
+shard, the one with the most free blocks not yet promised (or the one its caller names:
+the multi-turn driver balances held pages itself), and its samples enter only that
 shard's blocks; one prefill call writes a chunk of the oldest prefilling prompts of every
 shard. With one shard this is exactly the single-device behaviour.
 
@@ -137,6 +138,7 @@ class _Group:
   seed: int
   sample_ids: tuple[int, ...]
   held: Any = None  # A later turn: the engine's Held sequence it continues.
+  shard: Optional[int] = None  # A data shard the caller chose (None: the one with most room).
 
 
 @dataclasses.dataclass
@@ -177,16 +179,20 @@ class Scheduler:
     self._next_id = 0
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams, *, n: int = 1,
-             seed: int = 0, keep: bool = False) -> int:
+             seed: int = 0, keep: bool = False, shard: Optional[int] = None) -> int:
     """Queues n samples of a prompt; returns the request id. Raises UserError if the
-    engine can never serve it. keep: each sample's pages outlive it (see above)."""
+    engine can never serve it. keep: each sample's pages outlive it (see above). shard:
+    the data shard all its samples take (a caller that balances held pages itself)."""
     prompt = np.asarray(list(prompt), np.int32)
     self.engine.validate(prompt, sampling)
+    if shard is not None and not 0 <= shard < self.shards:
+      raise ValueError(f"scheduler: shard {shard} is not one of the {self.shards} data shards")
     rid = self._new_request(n, keep)
     size = min(n, self.engine.max_group_size(len(prompt), sampling.max_tokens))
     for first in range(0, n, size):
       ids = tuple(range(first, min(first + size, n)))
-      self.waiting.append(_Group(rid, prompt, sampling, int(seed) % (1 << 32), ids))
+      self.waiting.append(_Group(rid, prompt, sampling, int(seed) % (1 << 32), ids,
+                                 shard=shard))
     return rid
 
   def resume(self, held: Any, history: Sequence[int], sampling: SamplingParams, *,
@@ -292,6 +298,8 @@ class Scheduler:
       g = self.waiting[0]
       need = min(self._slots_needed(len(g.sample_ids)), self.block_size)
       order = sorted((s for s in range(self.shards) if room[s] >= need), key=lambda s: -room[s])
+      if g.shard is not None:  # Chosen by the caller: that shard or wait.
+        order = [g.shard] if g.shard in order else []
       prefix = None
       if g.held is not None:  # A later turn: only the shard that holds its pages.
         if g.held.shard in order:

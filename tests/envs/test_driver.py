@@ -77,10 +77,15 @@ def test_episodes_are_the_policys_own_tokens_with_observations_masked():
   assert turns > 2 * 20  # Most episodes took several turns.
 
 
-@pytest.mark.parametrize("mesh", [MeshConfig(data=4, fsdp=1, tensor=2)], ids=["data4_tensor2"])
-def test_episodes_on_a_rollout_mesh_equal_one_device(mesh):
-  _, _, one = _episodes()
-  _, _, many = _episodes(make_mesh(mesh, jax.devices()[:8]))
+@pytest.mark.parametrize("pages", [160, 60], ids=["roomy", "one_prompt_per_shard"])
+def test_episodes_on_a_rollout_mesh_equal_one_device(pages):
+  """On 4 data shards; with 60 pages a shard holds one prompt's 4 episodes at their
+  longest, so the driver must place each prompt on a shard with no live episodes (held
+  pages take no slot: balancing by free slots could pile two prompts on one shard)."""
+  engine = dataclasses.replace(ENGINE, pool=PoolConfig(page_size=4, num_pages=pages))
+  _, _, one = _episodes(engine=engine)
+  mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2), jax.devices()[:8])
+  _, _, many = _episodes(mesh, engine=engine)
   for a, b in zip(one, many):
     for x, y in zip(a, b):
       assert x.tokens == y.tokens and x.reward == y.reward

@@ -107,3 +107,22 @@ def test_the_pool_keeps_its_sharding_through_prefill_so_shapes_compile_once():
   generate(eng, [[1, 2, 3], [4, 5, 6, 7, 8]], sampling=SamplingParams(temperature=0.0,
                                                                       max_tokens=3))
   assert eng.pool.k.sharding == created and eng.pool.v.sharding == created
+
+
+def test_a_request_pinned_to_a_data_shard_takes_only_its_pages():
+  """Scheduler.submit(shard=...) (the multi-turn driver balances held pages itself): the
+  request's samples prefill and decode on that shard alone, whatever has more room."""
+  from jaxrl_post.rollout.scheduler import Scheduler
+
+  eng = Engine.from_model(H.model(), H.ENGINE, mesh=_mesh("data4_tensor2"))
+  sched = Scheduler(eng, SchedulerConfig())
+  greedy = SamplingParams(temperature=0.0, max_tokens=6)
+  rids = [sched.submit([5, 6, 7, 8, 9], greedy, n=2, shard=3) for _ in range(2)]
+  seen = set()
+  while not sched.idle:
+    sched.step()
+    seen.add(tuple(a.in_use + a.reserved > 0 for a in eng.allocs))
+  assert seen - {(False, False, False, False)} == {(False, False, False, True)}
+  assert all(len(c.tokens) == 6 for rid in rids for c in sched.results[rid])
+  with pytest.raises(ValueError, match="shard 4"):
+    sched.submit([1], greedy, shard=4)
