@@ -33,6 +33,7 @@ class _Episode:
   env: "ToolArithmetic"
   value: int
   turns: int = 0
+  called: bool = False  # A calculator call has run (and earned call_reward).
 
   def step(self, reply: str) -> Step:
     self.turns += 1
@@ -43,7 +44,10 @@ class _Episode:
       return Step("", float(right), True, solved=right)
     result = self.env.tools.call(reply)
     text = self.env.reminder if result is None else self.env.tool_response.format(result=result)
-    return Step("" if last else text, 0.0, last)
+    ran = result is not None and not result.startswith("error")
+    reward = self.env.call_reward if ran and not self.called else 0.0
+    self.called = self.called or ran
+    return Step("" if last else text, reward, last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,9 @@ class ToolArithmetic(Environment):
     prompt: the first observation, with {expression}.
     tool_response: wraps a tool's result ({result}) as the next observation.
     reminder: the observation after a turn with neither a call nor an answer.
+    call_reward: the reward of the turn whose calculator call first runs (once per episode):
+      a per-turn reward that shapes toward tool use; the answer's turn earns 1 when right.
+      With AgentSpec.credit = "reward_to_go" the answer's tokens are not credited with it.
     num_train, num_eval, seed: the splits (eval never shares an expression with train).
   """
 
@@ -69,6 +76,7 @@ class ToolArithmetic(Environment):
   prompt: str = DEFAULT_PROMPT
   tool_response: str = "<tool_response>{result}</tool_response>"
   reminder: str = "Call the calculator or finish with 'Answer: <number>'."
+  call_reward: float = 0.0
   num_train: int = 100_000
   num_eval: int = 100
   seed: int = 0
@@ -78,6 +86,9 @@ class ToolArithmetic(Environment):
     check_int(owner, "terms", self.terms, 2)
     check_int(owner, "max_turns", self.max_turns, 1)
     check_int(owner, "num_eval", self.num_eval, 1)
+    if not isinstance(self.call_reward, (int, float)) or not 0.0 <= self.call_reward < 1.0:
+      raise UserError(f"{owner}: call_reward must be in [0, 1) (below a right answer's 1), "
+                      f"got {self.call_reward!r}")
     if self.min_operand > self.max_operand or not set(self.operators) <= {"+", "-", "*"}:
       raise UserError(f"{owner}: operands [{self.min_operand}, {self.max_operand}] and "
                       f"operators {self.operators!r} (of + - *) do not make expressions")

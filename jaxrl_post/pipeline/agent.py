@@ -6,7 +6,8 @@ each episode's reward from its environment (it scored every turn as it answered 
 verifier pool's workers run only the environment's tool calls), and hands the trainer
 every token after the prompt with a loss mask over the model's own: observations
 condition the policy but are never trained on.
-Advantages are GRPO's over the K episodes of a problem. Evaluation is the greedy success
+Advantages are GRPO's over the K episodes of a problem, per episode or, with
+AgentSpec.credit = "reward_to_go", per turn (rl.turn_credit). Evaluation is the greedy success
 rate of episodes, and pass@k / maj@k over sampled ones.
 """
 
@@ -16,6 +17,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.data.prompts import PromptConfig
@@ -27,7 +29,9 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.loop import Progress, RLRun
 from jaxrl_post.rewards import Problem, VerifierPool, VerifierStats, at_k
-from jaxrl_post.rl.packing import Trajectory
+from jaxrl_post.rl import turn_credit
+from jaxrl_post.rl.packing import Trajectory, completion_bucket
+from jaxrl_post.rl.trainer import SequenceScores
 from jaxrl_post.rollout import SamplingParams
 
 
@@ -44,6 +48,9 @@ class AgentRLRun(RLRun):
     if self.model_cfg.moe is not None:
       raise UserError("agent: multi-turn episodes do not record MoE routing for replay yet")
     self.env, self.spec = exp.task, exp.agent
+    if self.spec.credit == "reward_to_go":
+      turn_credit.check_estimator(exp.advantage)
+    self._earned: list[np.ndarray] = []  # Per trajectory: rewards before each token's turn.
     self.turns = TurnFormat(self.tokenizer, exp.prompts.chat_template)
     self.store: Optional[TrajectoryStore] = None
     self._agent_metrics: dict[str, float] = {}
@@ -105,7 +112,18 @@ class AgentRLRun(RLRun):
       for e in g.completions:
         trajs.append(Trajectory(g.prompt, e.tokens, None, e.floors, e.loss_mask))
         behaviour.append(e.logprobs)
+    self._earned = [_earned_before(e) for g in groups for e in g.completions]
     return trajs, behaviour
+
+  def _scores(self, rewards: np.ndarray) -> SequenceScores:
+    """Episode credit: the loop's group advantages. Reward-to-go credit: per token, each
+    turn's tokens credited with the rewards from that turn on (rl.turn_credit)."""
+    if self.spec.credit == "episode":
+      return super()._scores(rewards)
+    width = completion_bucket(max(len(e) for e in self._earned))  # pack_rollouts' width
+    advantages = turn_credit.reward_to_go_advantages(rewards, self._earned, self.exp.advantage,
+                                                     width)
+    return SequenceScores(jnp.asarray(advantages), jnp.asarray(rewards, jnp.float32))
 
   def evaluate(self) -> dict[str, float]:
     spec = self.exp.eval
@@ -125,6 +143,15 @@ class AgentRLRun(RLRun):
         tools.bind(None)  # The pool closes below; the environment may be used again.
     finally:
       super().close()
+
+
+def _earned_before(e: EpisodeRecord) -> np.ndarray:
+  """Per token after the prompt, the sum of the rewards of the turns before its turn."""
+  out, earned = [], 0.0
+  for turn in e.turns:
+    out += [earned] * (len(turn.completion.tokens) + len(turn.observation_ids))
+    earned += turn.reward
+  return np.asarray(out, np.float32)
 
 
 def episode_metrics(prefix: str, groups: Sequence[Sequence[EpisodeRecord]]) -> dict[str, float]:

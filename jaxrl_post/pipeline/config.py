@@ -204,6 +204,9 @@ class AgentSpec:
     max_tokens: tokens after the prompt per episode, the model's and the observations';
       the trainer's completions are this long at most.
     reward: an episode's reward: the "sum" of its turns' rewards or the "last" one's.
+    credit: "episode": every token gets its episode's group advantage; "reward_to_go":
+      each turn's tokens get the advantage of the rewards from that turn on (with
+      reward "sum"; rl.turn_credit).
     env_workers: threads that step environments (and run their tools).
     step_timeout_s: longest one environment step may take (see envs.EpisodeLimits).
     store: write every episode to WORKDIR/trajectories.jsonl.
@@ -212,12 +215,19 @@ class AgentSpec:
   max_turns: int = 4
   max_tokens: int = 256
   reward: str = "sum"
+  credit: str = "episode"
   env_workers: int = 8
   step_timeout_s: float = 60.0
   store: bool = True
 
   def __post_init__(self):
     self.limits()  # Validates.
+    if self.credit not in ("episode", "reward_to_go"):
+      raise UserError(f"agent spec: credit must be 'episode' or 'reward_to_go', "
+                      f"got {self.credit!r}")
+    if self.credit == "reward_to_go" and self.reward != "sum":
+      raise UserError("agent spec: credit='reward_to_go' credits the rewards of later turns, "
+                      f"which needs reward='sum', not {self.reward!r}")
     if not isinstance(self.env_workers, int) or self.env_workers < 1:
       raise UserError(f"agent spec: env_workers must be a positive integer, "
                       f"got {self.env_workers!r}")

@@ -54,5 +54,7 @@ def sequence_lengths(mask: jax.Array) -> jax.Array:  # [B, T] -> [B]
 
 
 def to_tokens(per_sequence: jax.Array, mask: jax.Array) -> jax.Array:  # [B], [B, T] -> [B, T]
-  """Broadcasts a per-sequence value to its valid tokens (0 at padding)."""
-  return jnp.where(mask.astype(bool), per_sequence.astype(F32)[:, None], 0.0)
+  """Broadcasts a per-sequence value to its valid tokens (0 at padding); a value that is
+  already per token ([B, T], e.g. multi-turn reward-to-go advantages) is only masked."""
+  values = per_sequence.astype(F32)
+  return jnp.where(mask.astype(bool), values if values.ndim == 2 else values[:, None], 0.0)

@@ -114,7 +114,9 @@ class SequenceScores:
   minibatch program gathers its trajectories' entries through StepBatch.sequence.
   """
 
-  advantages: jax.Array  # [N] sequence advantages (GRPO family); zeros for a critic model
+  # [N] sequence advantages (GRPO family; zeros for a critic model), or [N, T] per token in
+  # the completion layout of pack_rollouts (multi-turn reward-to-go credit: rl.turn_credit).
+  advantages: jax.Array
   rewards: jax.Array  # [N] sequence rewards (GAE's terminal rewards with a critic)
 
   @classmethod
@@ -151,7 +153,7 @@ class _Micro:
 
   inputs: PackedInputs
   behaviour_logprobs: jax.Array  # [B, T]
-  advantages: jax.Array  # [B] sequence advantages
+  advantages: jax.Array  # [B] sequence advantages, or [B, T] per token
   rewards: jax.Array  # [B]
   old: Optional[OldPolicy]  # [B, T] each; None: these parameters are the old policy
 

@@ -50,6 +50,20 @@ def test_tool_arithmetic_runs_the_calculator_and_scores_the_answer():
   assert steps[2][1].done and steps[2][1].reward == 0.0
   assert env.demonstration(problem, None)[1] == f"Answer: {value}"
   assert play(env, problem, env.demonstration(problem, None))[-1][1].solved
+  assert [s.reward for _, s in play(env, problem, [call, call, f"Answer: {value}"])] == [
+      0.0, 0.0, 1.0]  # No call reward unless asked for.
+
+
+def test_tool_arithmetic_rewards_the_first_call_that_runs_once():
+  env = ToolArithmetic(terms=3, max_turns=4, call_reward=0.1)
+  problem = env.split("eval")[0]
+  value = problem.meta["value"]
+  call = '```calculator\n%s\n```'
+  steps = play(env, problem, [call % "1 / 0", call % problem.meta["expression"],
+                              call % "2 + 2", f"Answer: {value}"])
+  assert [s.reward for _, s in steps] == [0.0, 0.1, 0.0, 1.0]  # An error earns nothing.
+  with pytest.raises(UserError, match="call_reward"):
+    ToolArithmetic(call_reward=1.0)
 
 
 def test_humaneval_feedback_shows_the_failure_and_takes_a_second_attempt():

@@ -4,6 +4,7 @@ import json
 import os
 import types
 
+import numpy as np
 import pytest
 
 from jaxrl_post import evaluate, train, trajectories
@@ -52,7 +53,13 @@ def test_agent_run_trains_on_episodes_stores_them_and_resumes(tmp_path, capsys):
     assert r["reward"] == float(r["solved"])
     assert all(t["observation"] == "" for t in r["turns"][-1:])
 
-  assert train.main(_argv(workdir, ["Experiment.steps = 4"])) == 0  # Resumes after step 3.
+  # Resumes after step 3; step 4 credits each turn with the rewards from it on (per-token
+  # advantages through the trainer; the game rewards only its last turn, so they equal the
+  # episode's here).
+  assert train.main(_argv(workdir, ["Experiment.steps = 4",
+                                    "AgentSpec.credit = 'reward_to_go'"])) == 0
+  last = read_metrics(os.path.join(workdir, "metrics.jsonl"))[-1]
+  assert last["step"] == 4 and np.isfinite(last["train/loss"]) and "train/advantage/std" in last
   rows = _stored(workdir)
   assert sorted({r["step"] for r in rows if r["split"] == "train"}) == [1, 2, 3, 4]
   assert len([r for r in rows if r["split"] == "train"]) == 4 * 16  # None written twice.
