@@ -9,7 +9,7 @@
 # on PYTHONPATH: a GPU host with jax[cuda] and the project's requirements needs no setup.
 # BUDGET_S (default: none) bounds the whole check: each part gets at most what is left of it
 # (and at most PART_TIMEOUT_S), a part with under 20 s left is recorded as skipped, and the
-# JSON is still written: a lent GPU's time is short.
+# JSON is still written: time on a GPU host is often short.
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

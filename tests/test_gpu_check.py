@@ -30,7 +30,7 @@ def test_a_part_that_works_and_a_part_that_fails(tmp_path):
 
 
 def test_out_of_budget_parts_are_recorded_as_skipped(tmp_path):
-  """BUDGET_S bounds the whole check (a lent GPU's time is short): parts that would start
+  """BUDGET_S bounds the whole check (GPU time is often short): parts that would start
   with under 20 s left are skipped, and the JSON is still written."""
   out = tmp_path / "check.json"
   env = dict(os.environ, PARTS="greedy kernels", BUDGET_S="1", GPU_CHECK_OUT=str(out),
