@@ -293,17 +293,7 @@ class VerifierPool:
       RuntimeError: The pool is closed.
     """
     with self._cond:
-      if self._closed:
-        raise RuntimeError("verifier pool: submit after close")
-      if key in self._jobs or key in self._done:
-        raise ValueError(f"verifier pool: key {key!r} was already submitted")
-      job = _Job(key, problem, completion, step)
-      self._jobs[key] = job
-      if self._broken is not None:
-        self._finish(job, "crash", self._broken)
-        return
-      self._queue.append(job)
-      self._wake()
+      self._enqueue(_Job(key, problem, completion, step), "submit")
 
   def call(self, key: Hashable, fn: Any, *args: Any, step: int | None = None) -> CallResult:
     """Runs fn(*args) on a worker and blocks until it is done: the same deadline, kill and
@@ -314,21 +304,25 @@ class VerifierPool:
       RuntimeError: The pool is closed.
     """
     with self._cond:
-      if self._closed:
-        raise RuntimeError("verifier pool: call after close")
-      if key in self._jobs or key in self._done:
-        raise ValueError(f"verifier pool: key {key!r} was already submitted")
       job = _Job(key, None, None, step, call=_Call(fn, tuple(args)))
-      self._jobs[key] = job
-      if self._broken is not None:
-        self._finish(job, "crash", self._broken)
-      else:
-        self._queue.append(job)
-        self._wake()
+      self._enqueue(job, "call")
       self._cond.wait_for(lambda: key in self._done)
       outcome = self._done.pop(key)
     ok = outcome.kind == "ok"
     return CallResult(outcome.parts if ok else None, outcome.kind, None if ok else job.reason)
+
+  def _enqueue(self, job: _Job, verb: str) -> None:
+    """Under `_cond`: queues `job` for a worker (or fails it at once in a broken pool)."""
+    if self._closed:
+      raise RuntimeError(f"verifier pool: {verb} after close")
+    if job.key in self._jobs or job.key in self._done:
+      raise ValueError(f"verifier pool: key {job.key!r} was already submitted")
+    self._jobs[job.key] = job
+    if self._broken is not None:
+      self._finish(job, "crash", self._broken)
+      return
+    self._queue.append(job)
+    self._wake()
 
   def results(self, keys: Sequence[Hashable]) -> tuple[np.ndarray, VerifierStats]:
     """Blocks until every key's call is done (or failed); collects them.

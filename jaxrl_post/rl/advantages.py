@@ -145,29 +145,52 @@ def _centred(groups: jax.Array) -> jax.Array:  # [G, K] -> [G, K]
   return jnp.where(constant, 0.0, groups - groups.mean(axis=-1, keepdims=True))
 
 
+BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # a = (r - baseline) / scale per group
+
+
+def group_baseline(rewards: jax.Array, cfg: AdvantageConfig):  # [B] -> [G, K] x 3, [G, 1]
+  """(rewards, baseline, scale, constant) of the baseline estimators, grouped: advantage
+  (r - baseline) / scale, 0 in a group whose rewards are all equal (`constant`). GRPO: the
+  group mean and std + eps; Dr. GRPO: the mean and 1; RLOO: the mean of the other K - 1
+  and 1. Multi-turn reward-to-go credit puts a turn's return in place of r (turn_credit)."""
+  if cfg.name not in BASELINE_ESTIMATORS:
+    raise ValueError(f"advantage estimator {cfg.name!r} has no group baseline")
+  groups = _groups(rewards, cfg.group_size)
+  k = groups.shape[-1]
+  constant = groups.max(axis=-1, keepdims=True) == groups.min(axis=-1, keepdims=True)
+  mean = groups.mean(axis=-1, keepdims=True)
+  baseline = jnp.broadcast_to(mean, groups.shape)
+  if cfg.name == "rloo":
+    baseline = (groups.sum(axis=-1, keepdims=True) - groups) / (k - 1)
+  scale = jnp.ones_like(groups)
+  if cfg.name == "grpo":
+    centred = jnp.where(constant, 0.0, groups - mean)
+    std = jnp.sqrt(jnp.sum(centred * centred, axis=-1, keepdims=True) / (k - cfg.std_ddof))
+    scale = jnp.broadcast_to(std + cfg.eps, groups.shape)
+  return groups, baseline, scale, constant
+
+
+def _baseline_advantages(rewards, mask, cfg):  # [B], [B, T] -> [B, T]
+  groups, baseline, scale, constant = group_baseline(rewards, cfg)
+  return to_tokens(jnp.where(constant, 0.0, (groups - baseline) / scale).reshape(-1), mask)
+
+
 @register_advantage("grpo")
 def grpo(rewards, mask, cfg):  # [B], [B, T] -> [B, T]
   """GRPO: z-score within each group, (r - mean_g) / (std_g + eps)."""
-  centred = _centred(_groups(rewards, cfg.group_size))
-  k = centred.shape[-1]
-  std = jnp.sqrt(jnp.sum(centred * centred, axis=-1, keepdims=True) / (k - cfg.std_ddof))
-  return to_tokens((centred / (std + cfg.eps)).reshape(-1), mask)
+  return _baseline_advantages(rewards, mask, cfg)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo(rewards, mask, cfg):  # [B], [B, T] -> [B, T]
   """Dr. GRPO: r - mean_g. Dividing by the group std up-weights near-unanimous groups."""
-  return to_tokens(_centred(_groups(rewards, cfg.group_size)).reshape(-1), mask)
+  return _baseline_advantages(rewards, mask, cfg)
 
 
 @register_advantage("rloo")
 def rloo(rewards, mask, cfg):  # [B], [B, T] -> [B, T]
   """RLOO: r_i minus the mean of the other K - 1 rewards (an unbiased baseline)."""
-  groups = _groups(rewards, cfg.group_size)
-  k = groups.shape[-1]
-  others = (groups.sum(axis=-1, keepdims=True) - groups) / (k - 1)
-  constant = groups.max(axis=-1, keepdims=True) == groups.min(axis=-1, keepdims=True)
-  return to_tokens(jnp.where(constant, 0.0, groups - others).reshape(-1), mask)
+  return _baseline_advantages(rewards, mask, cfg)
 
 
 @register_advantage("reinforce_pp")

@@ -19,15 +19,13 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.rl.advantages import AdvantageConfig
-
-ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # Those with a group baseline and scale.
+from jaxrl_post.rl.advantages import BASELINE_ESTIMATORS, AdvantageConfig, group_baseline
 
 
 def check_estimator(cfg: AdvantageConfig) -> None:
-  if cfg.name not in ESTIMATORS:
+  if cfg.name not in BASELINE_ESTIMATORS:
     raise UserError(f"agent: credit='reward_to_go' needs a group estimator with a baseline "
-                    f"({', '.join(ESTIMATORS)}), not advantage {cfg.name!r}")
+                    f"({', '.join(BASELINE_ESTIMATORS)}), not advantage {cfg.name!r}")
 
 
 def reward_to_go_advantages(returns: np.ndarray, earned_before: Sequence[np.ndarray],
@@ -38,26 +36,17 @@ def reward_to_go_advantages(returns: np.ndarray, earned_before: Sequence[np.ndar
     returns: [N] episode rewards (the sums), groups of cfg.group_size contiguous.
     earned_before: per episode, per token after the prompt, the rewards of the turns
       before the token's turn (0 in the first turn).
-    cfg: the run's advantage config (one of ESTIMATORS).
+    cfg: the run's advantage config (one of BASELINE_ESTIMATORS).
     width: the completion layout's width (at least the longest episode).
   """
   check_estimator(cfg)
   k = cfg.group_size
-  groups = np.asarray(returns, np.float64).reshape(-1, k)
-  if cfg.name == "rloo":
-    baseline = (groups.sum(-1, keepdims=True) - groups) / (k - 1)
-  else:
-    baseline = np.broadcast_to(groups.mean(-1, keepdims=True), groups.shape)
-  scale = np.ones_like(groups)
-  if cfg.name == "grpo":
-    centred = groups - groups.mean(-1, keepdims=True)
-    std = np.sqrt((centred ** 2).sum(-1, keepdims=True) / (k - cfg.std_ddof))
-    scale = np.broadcast_to(std + cfg.eps, groups.shape)
-  constant = groups.max(-1, keepdims=True) == groups.min(-1, keepdims=True)
+  groups, baseline, scale, constant = map(np.asarray, group_baseline(
+      np.asarray(returns, np.float32), cfg))
   out = np.zeros((len(returns), width), np.float32)
   for i, before in enumerate(earned_before):
     g, j = divmod(i, k)
     if not constant[g, 0]:
-      to_go = groups[g, j] - np.asarray(before, np.float64)
+      to_go = groups[g, j] - np.asarray(before, np.float32)
       out[i, :len(before)] = (to_go - baseline[g, j]) / scale[g, j]
   return out
