@@ -90,13 +90,18 @@ def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: i
 
   page_size = 16
   context = model.config.max_position_embeddings
-  max_seq_len = min(cdiv(longest_prompt + max_new_tokens, 64) * 64, context)
+  # Whole pages, no more: every decode step attends over each slot's table of
+  # max_seq_len / page_size pages (the table's floor, min_table_pages, is wider).
+  max_seq_len = min(cdiv(longest_prompt + max_new_tokens, page_size) * page_size, context)
   seq_pages = cdiv(max_seq_len, page_size)
   # The prefix cache: a batch of chat prompts shares the template's system turn, which is
-  # then prefilled once (on bench_generate's 300 prompts it halved the prefill).
+  # then prefilled once (on bench_generate's 300 prompts it halved the prefill). 16 prompts
+  # per prefill call: half the calls of the default 8, and fewer distinct packed shapes
+  # to compile (a call's row count varies less).
   config = EngineConfig(num_slots=None if num_slots is None else min(num_slots, sequences),
-                        decode_steps=16, prefill_chunk=256, max_seq_len=max_seq_len,
-                        max_stop_ids=max(1, num_stop_ids), prefix_cache=True)
+                        decode_steps=16, prefill_chunk=256, prefill_rows=16,
+                        max_seq_len=max_seq_len, max_stop_ids=max(1, num_stop_ids),
+                        prefix_cache=True)
   # Without memory stats (the CPU) the devices' memory is the host's: a quarter of what it
   # has free, if more than PoolConfig's fixed fallback. That fallback held 181 of
   # bench_generate's 300 chat prompts, which then decoded in two waves.

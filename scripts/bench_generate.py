@@ -115,8 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--page_size", type=int, default=16,
                  help="KV page size")
   p.add_argument("--decode_buckets", type=int, default=16,
-                 help="widths a decode step may run its live slots at (1: every slot); "
-                      "each is one more compiled decode step, in the untimed warm-up")
+                 help="widths a decode call may run its live slots at (1: every slot); "
+                      "each is one more decode program, compiled in the untimed warm-up")
   p.add_argument("--no_prefix_cache", action="store_true",
                  help="prefill every prompt whole (no reuse of shared leading tokens)")
   p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",

@@ -6,6 +6,7 @@ way transformers renders them (trim_blocks, lstrip_blocks, raise_exception, tojs
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -73,6 +74,17 @@ class Tokenizer:
 
 def render_chat_template(template: str, messages: list[dict[str, str]],
                          add_generation_prompt: bool, *, source: str, **special) -> str:
+  try:
+    return _compiled_template(template, source).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **special)
+  except jinja2.TemplateError as e:
+    raise UserError(f"{source}: cannot render the chat template ({e})") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str, source: str):
+  """The template compiled once: compiling took most of the 5 ms a chat prompt took to
+  encode (1.5 s for the generate CLI's 300 prompts)."""
   def raise_exception(message):
     raise UserError(f"{source}: chat template error: {message}")
 
@@ -82,9 +94,7 @@ def render_chat_template(template: str, messages: list[dict[str, str]],
                                                                  indent=indent)
   env.globals["raise_exception"] = raise_exception
   try:
-    return env.from_string(template).render(messages=messages,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **special)
+    return env.from_string(template)
   except jinja2.TemplateError as e:
     raise UserError(f"{source}: cannot render the chat template ({e})") from None
 

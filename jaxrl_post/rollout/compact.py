@@ -1,64 +1,73 @@
-"""Decode steps over the live slots only.
+"""Decode calls over the live slots only.
 
-A decode call runs all of its slots for every step, but slots finish inside a call (and,
-with overlapped calls, wait one call to be refilled), and at the end of a job only a few
-are left: a slot that is done or empty still costs a full row of every matmul. Here a
-step gathers the live rows of each data shard first, runs the model on the narrowest of a
-few static widths that holds them, and scatters the results back to their slots.
+A decode call runs every row it is given for every step, but at the end of a job, or
+while slots wait to be refilled, only a few slots are live: a slot that is done or empty
+still costs a full row of every matmul. Here a call gathers the live rows of each data
+shard first, decodes the narrowest of a few static widths that holds them, and puts the
+results back in their slots.
+
+The width is picked on the host when the call is launched (`call_width`), from its view of
+the live slots, and is a static argument: each width is its own program, compiled the
+first time a call needs it. A job whose slots stay full (a batch of short completions)
+compiles one decode program; a long tail compiles the narrower ones as it reaches them.
+Slots finishing inside a call keep their (masked) rows until the call ends.
 
 Rows move only within their data shard (slot s of shard d stays on shard d), so the
-shard-local page ids in their page tables stay valid. The widths are static, so each is
-its own branch of a `lax.switch`: a few compiled copies of the step instead of one.
+shard-local page ids in their page tables stay valid.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def widths(rows_per_shard: int, buckets: int) -> tuple[int, ...]:
-  """Per-shard row counts a step may run at: `buckets` evenly spaced up to all rows."""
-  return tuple(sorted({-(-rows_per_shard * i // buckets) for i in range(1, buckets + 1)}))
+  """Per-shard row counts a call may run at: all rows, then each half the one before,
+  `buckets` in all (fewer where they reach one row). Halving, not even spacing: a job
+  compiles a narrower program only once it would at least halve the rows decoded (on the
+  generate CLI's first pass, a program for three quarters of the rows took longer to
+  compile than the steps it ran saved)."""
+  return tuple(sorted({-(-rows_per_shard // 2**i) for i in range(buckets)}))
 
 
-def live_rows_step(step: Callable, pool, rows, active, shards: int, sizes: tuple[int, ...]):
-  """step(pool, rows) on each shard's live rows only; returns (pool, outputs per slot).
+def call_width(active: np.ndarray, shards: int, buckets: int) -> int | None:
+  """Rows per data shard for the next call: the narrowest width that holds every shard's
+  live slots (`active` [B] the host's view, which may only overcount: a slot that ended in
+  a call not yet collected still looks live), or None when that is every row."""
+  per = active.shape[0] // shards
+  need = max(1, int(active.reshape(shards, per).sum(axis=1).max()))
+  width = min(w for w in widths(per, buckets) if w >= need)
+  return None if width == per else width
 
-  Args:
-    step: (pool, rows) -> (pool, outputs): rows and outputs are pytrees of [N, ...] arrays,
-      one row per slot; rows include `active`, so a gathered dead row (a width larger than
-      the live count) is still masked by the step itself.
-    pool: passed through to step (the KV pool).
-    rows: pytree of [B, ...] per-slot inputs, B = shards * rows per shard.
-    active: [B] bool, the live slots.
-    shards: data shards; slots [d * B / shards, (d + 1) * B / shards) belong to shard d.
-    sizes: static per-shard widths, ascending, the last one every row of a shard.
 
-  Returns:
-    (pool, outputs as [B, ...] per slot; rows left out of the step get zeros).
-  """
-  live = active.reshape(shards, -1)  # [S, per]
-  order = jnp.argsort(~live, axis=1, stable=True)  # Live rows first, in slot order.
-  inverse = jnp.argsort(order, axis=1)
-  need = jnp.max(jnp.sum(live, axis=1))
-  branch = jnp.sum(jnp.asarray(sizes[:-1]) < need)
+def live_first(active, shards: int):
+  """[B] bool -> [S, B / S] each shard's slot indices (shard-local), live ones first, each
+  group in slot order."""
+  return jnp.argsort(~active.reshape(shards, -1), axis=1, stable=True)
 
-  def by_slot(x, width):  # [S * width, ...] -> [B, ...]
-    x = x.reshape(shards, width, *x.shape[1:])
-    x = jnp.pad(x, [(0, 0), (0, live.shape[1] - width)] + [(0, 0)] * (x.ndim - 2))
-    return _take_rows(x, inverse).reshape(-1, *x.shape[2:])
 
-  def run(width, pool, rows):
-    pick = lambda x: _take_rows(x.reshape(shards, -1, *x.shape[1:]),
-                                order[:, :width]).reshape(-1, *x.shape[1:])
-    pool, out = step(pool, jax.tree.map(pick, rows))
-    return pool, jax.tree.map(lambda x: by_slot(x, width), out)
+def take(tree, order, width: int):
+  """Rows order[:, :width] of each shard: pytree of [B, ...] -> [S * width, ...]."""
+  shards = order.shape[0]
+  pick = lambda x: _take_rows(x.reshape(shards, -1, *x.shape[1:]),
+                              order[:, :width]).reshape(-1, *x.shape[1:])
+  return jax.tree.map(pick, tree)
 
-  branches = [lambda p, r, w=w: run(w, p, r) for w in sizes]
-  return jax.lax.switch(branch, branches, pool, rows)
+
+def put(full, part, order):
+  """`full` ([B, ...] leaves) with rows order[:, :width] replaced by `part` ([S * width,
+  ...], as `take` gave them); every other row as it was."""
+  shards, inverse = order.shape[0], jnp.argsort(order, axis=1)
+
+  def one(x, p):
+    by_order = _take_rows(x.reshape(shards, -1, *x.shape[1:]), order)
+    width = p.shape[0] // shards
+    by_order = by_order.at[:, :width].set(p.reshape(shards, width, *p.shape[1:]))
+    return _take_rows(by_order, inverse).reshape(x.shape)
+
+  return jax.tree.map(one, full, part)
 
 
 def _take_rows(x, index):  # [S, per, ...], [S, n] -> [S, n, ...]

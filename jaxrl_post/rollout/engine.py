@@ -96,12 +96,12 @@ class EngineConfig:
       reading the prompt's shared pages once per block (see the module docstring).
       num_slots must be a multiple. Pick the usual samples per prompt: a prompt with
       fewer samples leaves the rest of its block idle until the block empties.
-    decode_buckets: a decode step runs only the live slots of each data shard, padded to
+    decode_buckets: a decode call runs only the live slots of each data shard, padded to
       the narrowest of this many evenly spaced widths (see rollout.compact): slots that
-      finished or wait to be refilled cost nothing. 1 runs every slot at every step; each
-      width is one more compiled copy of the decode step (a branch of the one decode
-      program, so no more programs; widths never exceed the slots per data shard).
-      Cascade decode (group_slots) always runs every slot.
+      finished or wait to be refilled cost nothing. 1 runs every slot in every call; each
+      width is its own decode program, compiled when a call first needs it (widths never
+      exceed the slots per data shard). Cascade decode (group_slots) always runs every
+      slot.
     prefix_cache: keep prefilled prompts' whole pages, so later prompts that start with
       the same tokens (a chat template, a system prompt, a few-shot preamble) reuse their
       K/V instead of prefilling it, to the token (a page that matches in part is copied;
@@ -119,9 +119,7 @@ class EngineConfig:
   min_table_pages: int = 16
   pool: PoolConfig = PoolConfig()
   group_slots: int = 0
-  # Each width is a copy of the decode step to compile. On the generate CLI's first pass
-  # (300 chat prompts at once, bench_generate on a 2-core CPU) 16 widths took 28 s of
-  # compiling and 4 took 6.5 s, and the decode calls themselves ran as fast (about 21 s).
+  # Each width a job reaches is one more decode program to compile (see rollout.compact).
   decode_buckets: int = 4
   prefix_cache: bool = False
 
@@ -206,21 +204,23 @@ def _bind(cfg: ModelConfig, params) -> Transformer:
   return with_params(_template(cfg), params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "buckets",
-                                            "truncation"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "rows",
+                                            "truncation", "draws"),
                    donate_argnames=("pool", "state"))
 def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
                  cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
-                 buckets: int = 1, truncation: bool = True):
+                 rows: int | None = None, truncation: bool = True, draws: bool = True):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
   for the call, so it stays out of the loop carry. The loop sees `width` columns (None:
   all) of each slot's page table, from its first page (plain) or from the first page after
-  its block's shared prefix (cascade). With `buckets` > 1 a plain step computes only the
-  live slots of each data shard, at the narrowest of `buckets` widths (rollout.compact).
+  its block's shared prefix (cascade). With `rows` (plain attention only) the call decodes
+  only the first `rows` live slots of each data shard (rollout.compact; the host picks a
+  width that holds them all), the other slots left as they are.
   Without `truncation` (no slot samples with top-k or top-p) the program holds no
-  vocabulary sort at all (see sampling.sample).
+  vocabulary sort at all, and without `draws` (every slot greedy) no random draw (see
+  sampling.sample).
 
   Returns:
     (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
@@ -230,17 +230,39 @@ def _decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | 
     every process reads them whole.
   """
   full = state.page_table
-  table = _loop_table(full, shared, width, pool.k.shape[3])
+  state = state._replace(page_table=_loop_table(full, shared, width, pool.k.shape[3]))
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    pool, state, out_tokens, out_logprobs, out_experts, out_floors = _decode_steps(
-        params, pool, state._replace(page_table=table), shared, cfg, steps, layout, buckets,
-        truncation)
+    if rows is None:
+      pool, state, *outputs = _decode_steps(params, pool, state, shared, cfg, steps, layout,
+                                            truncation, draws)
+    else:
+      order = compact.live_first(state.active, layout.data_shards)
+      pool, live, *outputs = _decode_steps(params, pool, compact.take(state, order, rows),
+                                           shared, cfg, steps, layout, truncation, draws)
+      state = compact.put(state, live, order)
+      outputs = compact.put(_empty_outputs(cfg, state.tokens.shape[0], steps, truncation),
+                            tuple(outputs), order)
   state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
                        state._replace(page_table=full))
   whole = lambda tree: jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), tree)
+  out_tokens, out_logprobs, out_experts, out_floors = outputs
   return (pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active),
           whole(out_experts), whole(out_floors))
+
+
+def _empty_outputs(cfg: ModelConfig, b: int, steps: int, truncation: bool):
+  """A decode call's outputs for b slots before any step: (tokens -1, logprobs 0, experts
+  NO_EXPERT (MoE models; int16, routing replay's record kept small), floors -inf (calls
+  that may truncate)); a slot keeps these at every step it produces nothing."""
+  experts = floors = None
+  if cfg.moe is not None:
+    shape = (b, steps, cfg.num_layers, cfg.moe.experts_per_token)
+    experts = jnp.full(shape, NO_EXPERT, jnp.int16)
+  if truncation:
+    floors = jnp.full((b, steps), -jnp.inf, jnp.float32)
+  return (jnp.full((b, steps), -1, jnp.int32), jnp.zeros((b, steps), jnp.float32), experts,
+          floors)
 
 
 def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size: int):
@@ -279,37 +301,22 @@ class _Launched(NamedTuple):
   version: int
 
 
-def _decode_steps(params, pool, state, shared, cfg, steps, layout, buckets, truncation):
+def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, draws):
   model = _bind(cfg, params)
-  b = state.tokens.shape[0]
-  sizes = compact.widths(b // layout.data_shards, buckets)
-  out_tokens = jnp.full((b, steps), -1, jnp.int32)
-  out_logprobs = jnp.zeros((b, steps), jnp.float32)
-  out_experts = None
-  if cfg.moe is not None:  # int16: routing replay's record, kept small
-    shape = (b, steps, cfg.num_layers, cfg.moe.experts_per_token)
-    out_experts = jnp.full(shape, NO_EXPERT, jnp.int16)
-  out_floors = jnp.full((b, steps), -jnp.inf, jnp.float32) if truncation else None
+  out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
+      cfg, state.tokens.shape[0], steps, truncation)
 
   def cond(carry):
     i, _, st = carry[:3]
     return (i < steps) & jnp.any(st.active)
 
-  def one_step(pool, st):  # -> (pool, (tokens, logprobs, experts, floors)) for st's rows
+  def body(carry):
+    i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
     logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
                                                 st.page_table, st.active, shared, layout)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
-                                        truncation)
-    return pool, (tok, lp, experts, floor)
-
-  def body(carry):
-    i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
-    if shared is None and len(sizes) > 1:
-      pool, (tok, lp, experts, floor) = compact.live_rows_step(one_step, pool, st, st.active,
-                                                               layout.data_shards, sizes)
-    else:  # Cascade blocks keep their slots: a block shares its prompt's pages.
-      pool, (tok, lp, experts, floor) = one_step(pool, st)
+                                        truncation, draws)
     on = st.active
     out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
     out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
@@ -342,12 +349,17 @@ def _prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: 
   return pool, logits, experts
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
+@functools.partial(jax.jit, static_argnames=("layout", "truncation", "draws"))
 def _sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
-                  layout: RolloutLayout):  # [R, V], [S] x6
-  """Each sample's first token (token index 0) from the last logits of its prefill row."""
+                  layout: RolloutLayout, truncation: bool = True,
+                  draws: bool = True):  # [R, V], [S] x6
+  """Each sample's first token (token index 0) from the last logits of its prefill row;
+  without `truncation` (no sample uses top-k or top-p) or `draws` (every sample greedy)
+  the program leaves out the vocabulary sort or the random draw, which on a CPU take
+  most of its compile time."""
   keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
-  out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p)
+  out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p,
+                           truncation, draws)
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
 
 
@@ -820,8 +832,11 @@ class Engine:
                                      sp.top_k, sp.top_p)):
         a[at:at + k] = value
       at += k
+    truncation = any(p.sampling.top_k > 0 or p.sampling.top_p < 1.0 for p in prefixes)
+    draws = any(p.sampling.temperature > 0.0 for p in prefixes)
     operands = self.layout.put_replicated(operands)
-    tok, lp, floor = jax.device_get(_sample_first(logits, *operands, layout=self.layout))
+    tok, lp, floor = jax.device_get(_sample_first(logits, *operands, layout=self.layout,
+                                                  truncation=truncation, draws=draws))
     at = 0
     for prefix, k in zip(prefixes, sizes):
       prefix.first_tokens, prefix.first_logprobs = tok[at:at + k], lp[at:at + k]
@@ -965,10 +980,13 @@ class Engine:
       width = self._table_width(max(int((needed - start).max()), 1))
     else:
       shared, width = None, self._table_width(max(int(needed.max()), 1))
+    # Cascade blocks keep their slots: a block shares its prompt's pages.
+    rows = None if self.cascade else compact.call_width(self._slots.active, self.shards,
+                                                        self.config.decode_buckets)
     self.pool, self._device_slots, tokens, logprobs, active, experts, floors = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
-        steps=steps, layout=self.layout, width=width, buckets=self.config.decode_buckets,
-        truncation=self._truncating())
+        steps=steps, layout=self.layout, width=width, rows=rows, truncation=self._truncating(),
+        draws=bool(np.any(self._slots.temperature > 0.0)))
     for x in jax.tree.leaves((tokens, logprobs, active, experts, floors)):
       x.copy_to_host_async()  # Fetched while later calls run.
     self._pending.append(_Launched(tokens, logprobs, active, experts, floors,
@@ -976,7 +994,8 @@ class Engine:
 
   def _truncating(self) -> bool:
     """Whether any slot samples with top-k or top-p (an emptied slot keeps its last
-    settings, which can only keep the truncation pass in, never leave it out wrongly)."""
+    settings, which can only keep the truncation pass in, never leave it out wrongly; so
+    for the draw, which launch leaves out when no slot has a temperature)."""
     s = self._slots
     return bool(np.any((s.top_k > 0) | (s.top_p < 1.0)))
 

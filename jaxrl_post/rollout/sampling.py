@@ -148,7 +148,8 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
   return block * blk + jnp.minimum(i, _last_positive(inner))
 
 
-def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True):
+def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True,
+           draws: bool = True):
   """Draws one token per row.
 
   Args:
@@ -159,16 +160,21 @@ def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True):
     top_p: [B] float32, 1 for off.
     truncation: static; False promises no row uses top-k or top-p, and the program then
       holds no truncation pass (a sort over the vocabulary) at all.
+    draws: static; False promises every row is greedy (temperature 0), and the program
+      then holds no random draw (nor the key derivation before it) at all.
 
   Returns:
     (tokens [B] int32, logprobs [B] float32 under the distribution sampled from).
   """
-  return sample_with_floors(logits, keys, temperature, top_k, top_p, truncation)[:2]
+  return sample_with_floors(logits, keys, temperature, top_k, top_p, truncation, draws)[:2]
 
 
-def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool = True):
+def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool = True,
+                       draws: bool = True):
   """`sample`, and each row's kept-set floor [B] float32 on logits / temperature
   (-inf where the row kept the whole vocabulary: no truncation, or greedy)."""
+  if not draws:  # Greedy generation and evaluation: a smaller program, quicker to compile.
+    return _greedy(logits, keys, temperature, top_k, top_p)
   # A batch of greedy rows only (evaluation, greedy generation) skips the scaling,
   # truncation and draw passes over [B, V], a large part of a decode step on a CPU.
   mixed = functools.partial(_mixed, truncation=truncation)

@@ -1,4 +1,5 @@
-"""models.gguf_reader against the gguf package's reader on the embedded SmolLM2 file."""
+"""models.gguf_reader against the gguf package's reader on the embedded SmolLM2 file, and
+models.gguf_file's whole-array dequantisation against the package's."""
 
 import struct
 
@@ -6,6 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
+from jaxrl_post.models import gguf_file
 from jaxrl_post.models.gguf_reader import read_gguf
 from jaxrl_post.models.presets import embedded_path
 
@@ -36,3 +38,15 @@ def test_a_cut_or_foreign_file_raises(tmp_path, keep):
   cut.write_bytes(data[:keep] if keep > 0 else data[:keep])
   with pytest.raises((ValueError, struct.error)):
     read_gguf(str(cut))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_whole_array_dequantisation_equals_the_gguf_packages_to_the_bit(qtype):
+  qtype = gguf.GGMLQuantizationType[qtype]
+  x = np.random.default_rng(3).standard_normal((48, 256)).astype(np.float32) * 3
+  raw = gguf.quants.quantize(x, qtype)
+  ours = gguf_file._WHOLE_ARRAY[int(qtype)](raw)
+  theirs = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(-1)
+  np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+  with pytest.raises(ValueError, match="whole number"):
+    gguf_file._WHOLE_ARRAY[int(qtype)](raw.reshape(-1)[:-1])

@@ -6,42 +6,65 @@ import numpy as np
 import pytest
 
 from jaxrl_post.rollout import SamplingParams, generate
-from jaxrl_post.rollout.compact import live_rows_step, widths
+from jaxrl_post.rollout import compact
+from jaxrl_post.rollout import engine as engine_module
+from jaxrl_post.rollout.compact import widths
 from tests.rollout import helpers as H
 
 
-def test_widths_are_evenly_spaced_up_to_every_row():
-  assert widths(96, 4) == (24, 48, 72, 96)
-  assert widths(6, 4) == (2, 3, 5, 6)
+def test_widths_halve_down_from_every_row():
+  assert widths(96, 4) == (12, 24, 48, 96)
+  assert widths(300, 4) == (38, 75, 150, 300)
+  assert widths(6, 4) == (1, 2, 3, 6)
   assert widths(2, 4) == (1, 2)
   assert widths(5, 1) == (5,)
 
 
 @pytest.mark.parametrize("live", [[0, 3, 6, 7], [1], [0, 1, 2, 3, 4, 5, 6, 7], []])
-def test_the_step_sees_each_shards_live_rows_and_results_return_to_their_slots(live):
-  shards, sizes = 2, widths(4, 4)  # 8 slots: 4 per shard, widths 1..4.
+def test_a_call_sees_each_shards_live_rows_and_results_return_to_their_slots(live):
+  shards = 2  # 8 slots: 4 per shard, widths 1, 2, 4.
   active = np.isin(np.arange(8), live)
-  seen = []
-
-  def step(pool, rows):
-    jax.debug.callback(lambda r: seen.append(np.asarray(r)), rows["slot"])
-    return pool + 1, {"out": rows["slot"] * 10 + rows["active"]}
-
-  rows = {"slot": jnp.arange(8), "active": jnp.asarray(active)}
-  pool, out = jax.jit(lambda p, r, a: live_rows_step(step, p, r, a, shards, sizes))(
-      jnp.int32(0), rows, jnp.asarray(active))
-  assert int(pool) == 1
   per_shard = [active[:4].sum(), active[4:].sum()]
-  width = min(w for w in sizes if w >= max(per_shard))
-  (got,) = seen
-  assert len(got) == 2 * width  # The narrowest width that holds every shard's live rows.
+  width = compact.call_width(active, shards, 4)
+  if max(per_shard) == 4:
+    assert width is None  # Every row: the call gathers nothing.
+    return
+  assert width == {0: 1, 1: 1, 2: 2, 3: 4}[max(per_shard)]  # The narrowest that holds them.
+
+  @jax.jit
+  def call(rows, active):
+    order = compact.live_first(active, shards)
+    part = compact.take(rows, order, width)
+    return part, compact.put(rows, {"slot": part["slot"] * 10 + 1}, order)
+
+  slots = jnp.arange(8)
+  part, out = call({"slot": slots}, jnp.asarray(active))
+  got = np.asarray(part["slot"])
+  assert len(got) == 2 * width
   for s in range(2):  # Each shard's live rows first, in slot order, from its own slots.
     mine = got[s * width:(s + 1) * width]
     assert np.all((mine >= 4 * s) & (mine < 4 * s + 4))
     np.testing.assert_array_equal(mine[:per_shard[s]], np.flatnonzero(active[4 * s:4 * s + 4])
                                   + 4 * s)
-  want = np.where(np.isin(np.arange(8), got), np.arange(8) * 10 + active, 0)
-  np.testing.assert_array_equal(np.asarray(out["out"]), want)
+  # Rows the call took come back changed, in their own slots; the others as they were.
+  want = np.where(np.isin(np.arange(8), got), np.arange(8) * 10 + 1, np.arange(8))
+  np.testing.assert_array_equal(np.asarray(out["slot"]), want)
+
+
+def test_a_call_runs_at_the_width_of_its_live_slots_one_program_per_width(monkeypatch):
+  seen = []
+  real = compact.call_width
+  monkeypatch.setattr(compact, "call_width", lambda *a: seen.append(real(*a)) or seen[-1])
+  engine = H.engine(num_slots=8, decode_buckets=4)  # Widths 1, 2, 4, 8.
+  sampling = SamplingParams(temperature=0.0, max_tokens=9)
+  prompts = H.prompts(np.random.default_rng(1), [3, 4, 5, 6, 7, 8, 9, 10])
+  before = engine_module._decode_loop._cache_size()
+  generate(engine, prompts[:1], sampling=sampling)
+  assert seen and set(seen) == {1}  # One live slot: the narrowest width, every call.
+  assert engine_module._decode_loop._cache_size() <= before + 1
+  seen.clear()
+  generate(engine, prompts, sampling=sampling)
+  assert None in seen  # Every slot live at some call: all rows, no gather.
 
 
 def test_sampled_tokens_and_logprobs_do_not_depend_on_the_widths():
