@@ -1,6 +1,7 @@
 """python -m jaxrl_post.generate: flags, JSON output, errors without stack traces."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -185,6 +186,33 @@ def test_batch_engine_decodes_every_completion_at_once_unless_num_slots_is_given
   assert generate._engine_for(model, 12, 20, 1, sequences=3, num_slots=32).num_slots == 3
   from jaxrl_post.rollout.engine import MAX_SLOTS
   assert generate._engine_for(model, 12, 20, 1, sequences=5000).num_slots == MAX_SLOTS
+
+
+def test_the_batch_decode_program_compiles_on_a_thread_while_the_job_prefills():
+  """The program the first decode call runs is the one compiled ahead, on its own thread
+  (compiled once: the call finds it)."""
+  import jax
+
+  from jaxrl_post.rollout import SamplingParams
+
+  model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
+  eng = generate._engine_for(model, 6, 7, 1, sequences=5)  # Shapes no other test compiles.
+  rows = [generate.PromptRow(i + 1, {"prompt": "x"}, ids=list(range(3 + i, 9 + i)))
+          for i in range(5)]
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  logging.getLogger("jax").addHandler(handler)  # jax's own handler does not propagate.
+  jax.config.update("jax_log_compiles", True)  # Every thread (a `with` is this one's only).
+  try:
+    out = generate._decode_all(eng, rows, SamplingParams(temperature=0.0, max_tokens=7), 1, 0)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    logging.getLogger("jax").removeHandler(handler)
+  compiled = [r.threadName for r in records
+              if "compilation of jit(_decode_loop)" in r.getMessage()]
+  assert compiled == ["compile-decode"]
+  assert [len(c.tokens) for row in out for c in row] == [7] * 5
 
 
 def test_without_memory_stats_the_pool_takes_a_share_of_the_hosts_free_memory(monkeypatch):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple, Sequence
 
 import jax
@@ -552,6 +553,7 @@ class Engine:
     # slots that still hold what it decoded.
     self._occupant = np.zeros((self.num_slots,), np.int64)
     self._pending: collections.deque[_Launched] = collections.deque()  # Calls in flight.
+    self._ahead: threading.Thread | None = None  # See compile_decode_ahead.
     self._seqs: list[PagedSequence | None] = [None] * self.num_slots
     self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
@@ -972,6 +974,9 @@ class Engine:
     devices). Between `launch` and the `collect` of a call the host may insert into and
     free slots it knows are done; the host's view of running slots (lengths, activity)
     lags by the calls in flight, so pages are grown for all of them."""
+    if self._ahead is not None:  # Never the same program compiled twice at once.
+      self._ahead.join()
+      self._ahead = None
     steps = self.config.decode_steps
     needed = self._grow_pages(steps * (1 + len(self._pending)))
     self._push_dirty_rows()
@@ -991,6 +996,42 @@ class Engine:
       x.copy_to_host_async()  # Fetched while later calls run.
     self._pending.append(_Launched(tokens, logprobs, active, experts, floors,
                                    self._occupant.copy(), self.version))
+
+  def compile_decode_ahead(self, sampling: SamplingParams, prompt_len: int,
+                           sequences: int) -> None:
+    """Starts compiling, on a thread, the decode program that this engine's first call
+    runs for a job of `sequences` sequences of prompts of up to `prompt_len` tokens, all
+    sampled with `sampling`; the first `launch` waits for it. For a caller with the whole
+    job in hand, which prefills it first (the generate CLI): XLA compiles on one core, so
+    the program builds beside the prefill instead of after it. A guess that misses (other
+    shapes at the first call) costs that call nothing but a core for a while."""
+    if self.cascade or self._ahead is not None:
+      return
+    steps, ps = self.config.decode_steps, self.page_size
+    written = min(prompt_len + steps, prompt_len + sampling.max_tokens - 1)
+    active = np.zeros((self.shards, self.slots_per_shard), bool)
+    active[:, :cdiv(min(sequences, self.num_slots), self.shards)] = True
+    options = dict(cfg=self.model_config, steps=steps, layout=self.layout,
+                   width=self._table_width(max(cdiv(written, ps), 1)),
+                   rows=compact.call_width(active.reshape(-1), self.shards,
+                                           self.config.decode_buckets),
+                   truncation=sampling.top_k > 0 or sampling.top_p < 1.0,
+                   draws=sampling.temperature > 0.0)
+    # The weights as they are (arrays a prefill never donates: an uncommitted one must stay
+    # so, or the program differs); the pool and slots as shapes, since prefill calls on
+    # the caller's thread donate them meanwhile.
+    operands = (self.params, *jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        (self.pool, self._device_slots)))
+
+    def build():
+      try:
+        _decode_loop.lower(*operands, None, **options).compile()
+      except Exception:  # pylint: disable=broad-except
+        pass  # The call compiles its own program, and raises there if it must.
+
+    self._ahead = threading.Thread(target=build, name="compile-decode", daemon=True)
+    self._ahead.start()
 
   def _truncating(self) -> bool:
     """Whether any slot samples with top-k or top-p (an emptied slot keeps its last
