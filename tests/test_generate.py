@@ -189,14 +189,15 @@ def test_batch_engine_decodes_every_completion_at_once_unless_num_slots_is_given
 
 
 def test_the_batch_decode_program_compiles_on_a_thread_while_the_job_prefills():
-  """The program the first decode call runs is the one compiled ahead, on its own thread
-  (compiled once: the call finds it)."""
+  """The programs the decode calls run are the ones compiled ahead, on their own thread
+  (compiled once: the calls find them): the first call's width, and for a job of more than
+  one call (20 tokens, 16 per call) the next narrower one as well."""
   import jax
 
   from jaxrl_post.rollout import SamplingParams
 
   model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
-  eng = generate._engine_for(model, 6, 7, 1, sequences=5)  # Shapes no other test compiles.
+  eng = generate._engine_for(model, 6, 20, 1, sequences=5)  # Shapes no other test compiles.
   rows = [generate.PromptRow(i + 1, {"prompt": "x"}, ids=list(range(3 + i, 9 + i)))
           for i in range(5)]
   records = []
@@ -205,14 +206,16 @@ def test_the_batch_decode_program_compiles_on_a_thread_while_the_job_prefills():
   logging.getLogger("jax").addHandler(handler)  # jax's own handler does not propagate.
   jax.config.update("jax_log_compiles", True)  # Every thread (a `with` is this one's only).
   try:
-    out = generate._decode_all(eng, rows, SamplingParams(temperature=0.0, max_tokens=7), 1, 0)
+    out = generate._decode_all(eng, rows, SamplingParams(temperature=0.0, max_tokens=20), 1,
+                               0)
+    eng._ahead.join()  # The narrower guess, which no call of this job needed.
   finally:
     jax.config.update("jax_log_compiles", False)
     logging.getLogger("jax").removeHandler(handler)
   compiled = [r.threadName for r in records
               if "compilation of jit(_decode_loop)" in r.getMessage()]
-  assert compiled == ["compile-decode"]
-  assert [len(c.tokens) for row in out for c in row] == [7] * 5
+  assert compiled == ["compile-decode"] * 2
+  assert [len(c.tokens) for row in out for c in row] == [20] * 5
 
 
 def test_without_memory_stats_the_pool_takes_a_share_of_the_hosts_free_memory(monkeypatch):

@@ -24,12 +24,8 @@ import numpy as np
 
 
 def widths(rows_per_shard: int, buckets: int) -> tuple[int, ...]:
-  """Per-shard row counts a call may run at: all rows, then each half the one before,
-  `buckets` in all (fewer where they reach one row). Halving, not even spacing: a job
-  compiles a narrower program only once it would at least halve the rows decoded (on the
-  generate CLI's first pass, a program for three quarters of the rows took longer to
-  compile than the steps it ran saved)."""
-  return tuple(sorted({-(-rows_per_shard // 2**i) for i in range(buckets)}))
+  """Per-shard row counts a call may run at: `buckets` evenly spaced up to all rows."""
+  return tuple(sorted({-(-rows_per_shard * i // buckets) for i in range(1, buckets + 1)}))
 
 
 def call_width(active: np.ndarray, shards: int, buckets: int) -> int | None:

@@ -508,6 +508,37 @@ class ResultTokens:
   floors: np.ndarray | None = None
 
 
+class _CompileAhead:
+  """Decode programs compiled in order on one thread, one per call width (`rows`)."""
+
+  def __init__(self, build, guesses: list[int | None]):
+    self._done = threading.Condition()
+    self._pending = list(guesses)
+    # Not a daemon: the interpreter's exit waits for it, as a compile cut off in XLA's
+    # code at exit aborts the process.
+    threading.Thread(target=self._run, args=(build,), name="compile-decode").start()
+
+  def _run(self, build) -> None:
+    for rows in list(self._pending):
+      try:
+        build(rows)
+      except Exception:  # pylint: disable=broad-except
+        pass  # The call compiles its own program, and raises there if it must.
+      with self._done:
+        self._pending.remove(rows)
+        self._done.notify_all()
+
+  def wait(self, rows: int | None) -> None:
+    """Returns once the program for `rows` is not being compiled here (or never was)."""
+    with self._done:
+      self._done.wait_for(lambda: rows not in self._pending)
+
+  def join(self) -> None:
+    """Returns once every program is compiled (or failed to)."""
+    with self._done:
+      self._done.wait_for(lambda: not self._pending)
+
+
 class Engine:
   """Paged-KV decode engine over decode slots and a KV page pool, on one device or a mesh.
 
@@ -553,7 +584,7 @@ class Engine:
     # slots that still hold what it decoded.
     self._occupant = np.zeros((self.num_slots,), np.int64)
     self._pending: collections.deque[_Launched] = collections.deque()  # Calls in flight.
-    self._ahead: threading.Thread | None = None  # See compile_decode_ahead.
+    self._ahead: _CompileAhead | None = None  # See compile_decode_ahead.
     self._seqs: list[PagedSequence | None] = [None] * self.num_slots
     self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
@@ -974,9 +1005,6 @@ class Engine:
     devices). Between `launch` and the `collect` of a call the host may insert into and
     free slots it knows are done; the host's view of running slots (lengths, activity)
     lags by the calls in flight, so pages are grown for all of them."""
-    if self._ahead is not None:  # Never the same program compiled twice at once.
-      self._ahead.join()
-      self._ahead = None
     steps = self.config.decode_steps
     needed = self._grow_pages(steps * (1 + len(self._pending)))
     self._push_dirty_rows()
@@ -988,6 +1016,8 @@ class Engine:
     # Cascade blocks keep their slots: a block shares its prompt's pages.
     rows = None if self.cascade else compact.call_width(self._slots.active, self.shards,
                                                         self.config.decode_buckets)
+    if self._ahead is not None:  # Never the same program compiled twice at once.
+      self._ahead.wait(rows)
     self.pool, self._device_slots, tokens, logprobs, active, experts, floors = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, rows=rows, truncation=self._truncating(),
@@ -1001,42 +1031,39 @@ class Engine:
                            sequences: int) -> None:
     """Starts compiling, on a thread, the decode program that this engine's first call
     runs for a job of `sequences` sequences of prompts of up to `prompt_len` tokens, all
-    sampled with `sampling`; the first `launch` waits for it. For a caller with the whole
-    job in hand, which prefills it first (the generate CLI): XLA compiles on one core, so
-    the program builds beside the prefill instead of after it. A guess that misses (other
-    shapes at the first call) costs that call nothing but a core for a while."""
+    sampled with `sampling`, then (for a job of more than one call) the next narrower
+    width's, which its second call runs once a quarter of the sequences have ended; a
+    `launch` that needs one of them waits for it. For a caller with the whole job in hand,
+    which prefills it first (the generate CLI): XLA compiles on one core, so the programs
+    build beside the prefill instead of between decode calls. A guess that misses costs
+    the job nothing but a core for a while."""
     if self.cascade or self._ahead is not None:
       return
     steps, ps = self.config.decode_steps, self.page_size
     written = min(prompt_len + steps, prompt_len + sampling.max_tokens - 1)
     active = np.zeros((self.shards, self.slots_per_shard), bool)
     active[:, :cdiv(min(sequences, self.num_slots), self.shards)] = True
-    options = dict(cfg=self.model_config, steps=steps, layout=self.layout,
-                   width=self._table_width(max(cdiv(written, ps), 1)),
-                   rows=compact.call_width(active.reshape(-1), self.shards,
-                                           self.config.decode_buckets),
-                   truncation=sampling.top_k > 0 or sampling.top_p < 1.0,
-                   draws=sampling.temperature > 0.0)
+    first = compact.call_width(active.reshape(-1), self.shards, self.config.decode_buckets)
+    options = compact.widths(self.slots_per_shard, self.config.decode_buckets)
+    at = options.index(first or self.slots_per_shard)
+    guesses = [first] + ([options[at - 1]] if at and sampling.max_tokens > steps else [])
+    static = dict(cfg=self.model_config, steps=steps, layout=self.layout,
+                  width=self._table_width(max(cdiv(written, ps), 1)),
+                  truncation=sampling.top_k > 0 or sampling.top_p < 1.0,
+                  draws=sampling.temperature > 0.0)
     # The weights as they are (arrays a prefill never donates: an uncommitted one must stay
     # so, or the program differs); the pool and slots as shapes, since prefill calls on
     # the caller's thread donate them meanwhile.
     operands = (self.params, *jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        (self.pool, self._device_slots)))
-
-    def build():
-      try:
-        _decode_loop.lower(*operands, None, **options).compile()
-      except Exception:  # pylint: disable=broad-except
-        pass  # The call compiles its own program, and raises there if it must.
-
-    self._ahead = threading.Thread(target=build, name="compile-decode", daemon=True)
-    self._ahead.start()
+        (self.pool, self._device_slots)), None)
+    self._ahead = _CompileAhead(
+        lambda rows: _decode_loop.lower(*operands, rows=rows, **static).compile(), guesses)
 
   def _truncating(self) -> bool:
     """Whether any slot samples with top-k or top-p (an emptied slot keeps its last
-    settings, which can only keep the truncation pass in, never leave it out wrongly; so
-    for the draw, which launch leaves out when no slot has a temperature)."""
+    settings, which can only keep the truncation pass in, never leave it out wrongly; the
+    same holds for the draw, which `launch` leaves out when no slot has a temperature)."""
     s = self._slots
     return bool(np.any((s.top_k > 0) | (s.top_p < 1.0)))
 

@@ -12,24 +12,23 @@ from jaxrl_post.rollout.compact import widths
 from tests.rollout import helpers as H
 
 
-def test_widths_halve_down_from_every_row():
-  assert widths(96, 4) == (12, 24, 48, 96)
-  assert widths(300, 4) == (38, 75, 150, 300)
-  assert widths(6, 4) == (1, 2, 3, 6)
+def test_widths_are_evenly_spaced_up_to_every_row():
+  assert widths(96, 4) == (24, 48, 72, 96)
+  assert widths(6, 4) == (2, 3, 5, 6)
   assert widths(2, 4) == (1, 2)
   assert widths(5, 1) == (5,)
 
 
 @pytest.mark.parametrize("live", [[0, 3, 6, 7], [1], [0, 1, 2, 3, 4, 5, 6, 7], []])
 def test_a_call_sees_each_shards_live_rows_and_results_return_to_their_slots(live):
-  shards = 2  # 8 slots: 4 per shard, widths 1, 2, 4.
+  shards = 2  # 8 slots: 4 per shard, widths 1..4.
   active = np.isin(np.arange(8), live)
   per_shard = [active[:4].sum(), active[4:].sum()]
   width = compact.call_width(active, shards, 4)
   if max(per_shard) == 4:
     assert width is None  # Every row: the call gathers nothing.
     return
-  assert width == {0: 1, 1: 1, 2: 2, 3: 4}[max(per_shard)]  # The narrowest that holds them.
+  assert width == max(1, max(per_shard))  # The narrowest width that holds them.
 
   @jax.jit
   def call(rows, active):
@@ -55,12 +54,12 @@ def test_a_call_runs_at_the_width_of_its_live_slots_one_program_per_width(monkey
   seen = []
   real = compact.call_width
   monkeypatch.setattr(compact, "call_width", lambda *a: seen.append(real(*a)) or seen[-1])
-  engine = H.engine(num_slots=8, decode_buckets=4)  # Widths 1, 2, 4, 8.
+  engine = H.engine(num_slots=8, decode_buckets=4)  # Widths 2, 4, 6, 8.
   sampling = SamplingParams(temperature=0.0, max_tokens=9)
   prompts = H.prompts(np.random.default_rng(1), [3, 4, 5, 6, 7, 8, 9, 10])
   before = engine_module._decode_loop._cache_size()
   generate(engine, prompts[:1], sampling=sampling)
-  assert seen and set(seen) == {1}  # One live slot: the narrowest width, every call.
+  assert seen and set(seen) == {2}  # One live slot: the narrowest width, every call.
   assert engine_module._decode_loop._cache_size() <= before + 1
   seen.clear()
   generate(engine, prompts, sampling=sampling)
