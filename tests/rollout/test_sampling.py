@@ -94,12 +94,18 @@ def test_an_all_greedy_batch_gives_the_argmax_and_its_model_logprob():
   logits = (2.0 * rng.normal(size=(4, V))).astype(np.float32)
   keys = token_keys(jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32),
                     jnp.zeros(4, jnp.int32))
-  tok, lp = jax.jit(sample)(jnp.asarray(logits), keys, np.zeros(4, np.float32),
-                            np.zeros(4, np.int32), np.ones(4, np.float32))
+  args = (jnp.asarray(logits), keys, np.zeros(4, np.float32), np.zeros(4, np.int32),
+          np.ones(4, np.float32))
+  tok, lp = jax.jit(sample)(*args)
   np.testing.assert_array_equal(np.asarray(tok), np.argmax(logits, axis=1))
   want = np.stack([H.log_softmax(r.astype(np.float64)) for r in logits])
   np.testing.assert_allclose(np.asarray(lp), want[np.arange(4), np.argmax(logits, axis=1)],
                              atol=1e-5)
+  # draws=False: a program with no draw at all, for callers that know every row is greedy.
+  greedy = jax.jit(functools.partial(sample, truncation=False, draws=False))
+  assert "threefry" not in greedy.lower(*args).as_text()
+  for got, ref in zip(greedy(*args), (tok, lp)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
 def _assert_draws_follow(v, kept, probs, seed, n=4000):
