@@ -865,8 +865,8 @@ class Engine:
                                      sp.top_k, sp.top_p)):
         a[at:at + k] = value
       at += k
-    truncation = any(p.sampling.top_k > 0 or p.sampling.top_p < 1.0 for p in prefixes)
-    draws = any(p.sampling.temperature > 0.0 for p in prefixes)
+    truncation = any(p.sampling.truncates for p in prefixes)
+    draws = any(p.sampling.draws for p in prefixes)
     operands = self.layout.put_replicated(operands)
     tok, lp, floor = jax.device_get(_sample_first(logits, *operands, layout=self.layout,
                                                   truncation=truncation, draws=draws))
@@ -1049,8 +1049,7 @@ class Engine:
     guesses = [first] + ([options[at - 1]] if at and sampling.max_tokens > steps else [])
     static = dict(cfg=self.model_config, steps=steps, layout=self.layout,
                   width=self._table_width(max(cdiv(written, ps), 1)),
-                  truncation=sampling.top_k > 0 or sampling.top_p < 1.0,
-                  draws=sampling.temperature > 0.0)
+                  truncation=sampling.truncates, draws=sampling.draws)
     # The weights as they are (arrays a prefill never donates: an uncommitted one must stay
     # so, or the program differs); the pool and slots as shapes, since prefill calls on
     # the caller's thread donate them meanwhile.

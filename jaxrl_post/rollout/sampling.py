@@ -59,6 +59,16 @@ class SamplingParams:
       raise UserError(f"sampling: max_tokens must be >= 1, got {self.max_tokens}")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
+  @property
+  def truncates(self) -> bool:
+    """Whether top-k or top-p is on (the programs' static `truncation`)."""
+    return self.top_k > 0 or self.top_p < 1.0
+
+  @property
+  def draws(self) -> bool:
+    """Whether tokens are drawn at random (not greedy; the programs' static `draws`)."""
+    return self.temperature > 0.0
+
 
 def token_keys(seeds, sample_ids, token_index):  # [B] x3 int -> [B] keys
   """Per-row keys: fold_in(fold_in(key(seed), sample), token index)."""
