@@ -291,7 +291,7 @@ def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int) -> l
   # A row's seed comes from its line, not its rank among usable rows, so skipping a bad
   # row elsewhere in the file does not change this one's samples.
   ids = [sched.submit(row.ids, sampling, n=n, seed=seed + row.line - 1) for row in rows]
-  engine.compile_decode_ahead(sampling, max(len(row.ids) for row in rows), len(rows) * n)
+  engine.compile_ahead(sampling, max(len(row.ids) for row in rows), len(rows), n)
   done = tokens = 0
   start = time.monotonic()
   with ProgressBar(len(rows) * n, label="completions") as bar:

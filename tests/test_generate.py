@@ -188,16 +188,18 @@ def test_batch_engine_decodes_every_completion_at_once_unless_num_slots_is_given
   assert generate._engine_for(model, 12, 20, 1, sequences=5000).num_slots == MAX_SLOTS
 
 
-def test_the_batch_decode_program_compiles_on_a_thread_while_the_job_prefills():
+def test_the_batch_decode_and_first_token_programs_compile_on_a_thread_while_the_job_prefills():
   """The programs the decode calls run are the ones compiled ahead, on their own thread
   (compiled once: the calls find them): the first call's width, and for a job of more than
-  one call (20 tokens, 16 per call) the next narrower one as well."""
+  one call (20 tokens, 16 per call) the next narrower one as well; so is the program that
+  draws the first tokens after the prefill."""
   import jax
 
   from jaxrl_post.rollout import SamplingParams
 
+  jax.clear_caches()  # Programs an earlier test compiled would not be compiled again.
   model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
-  eng = generate._engine_for(model, 6, 20, 1, sequences=5)  # Shapes no other test compiles.
+  eng = generate._engine_for(model, 6, 20, 1, sequences=5)
   rows = [generate.PromptRow(i + 1, {"prompt": "x"}, ids=list(range(3 + i, 9 + i)))
           for i in range(5)]
   records = []
@@ -212,9 +214,10 @@ def test_the_batch_decode_program_compiles_on_a_thread_while_the_job_prefills():
   finally:
     jax.config.update("jax_log_compiles", False)
     logging.getLogger("jax").removeHandler(handler)
-  compiled = [r.threadName for r in records
-              if "compilation of jit(_decode_loop)" in r.getMessage()]
-  assert compiled == ["compile-decode"] * 2
+  compiled = [(r.threadName, program) for r in records for program in ("_decode_loop",
+              "_sample_first") if f"compilation of jit({program})" in r.getMessage()]
+  assert compiled == [("compile-ahead", "_sample_first")] + [
+      ("compile-ahead", "_decode_loop")] * 2
   assert [len(c.tokens) for row in out for c in row] == [20] * 5
 
 

@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import threading
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +350,11 @@ def _prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: 
   return pool, logits, experts
 
 
+# _sample_first's operands after the logits: the rows, seeds, sample ids, temperatures,
+# top-k and top-p of the samples.
+_FIRST_TOKEN_OPERANDS = (np.int32, np.uint32, np.int32, np.float32, np.int32, np.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "truncation", "draws"))
 def _sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
                   layout: RolloutLayout, truncation: bool = True,
@@ -509,29 +514,29 @@ class ResultTokens:
 
 
 class _CompileAhead:
-  """Decode programs compiled in order on one thread, one per call width (`rows`)."""
+  """Programs compiled in order on one thread, each under a key that names its shape."""
 
-  def __init__(self, build, guesses: list[int | None]):
+  def __init__(self, jobs: dict[Hashable, Callable[[], Any]]):
     self._done = threading.Condition()
-    self._pending = list(guesses)
+    self._pending = list(jobs)
     # Not a daemon: the interpreter's exit waits for it, as a compile cut off in XLA's
     # code at exit aborts the process.
-    threading.Thread(target=self._run, args=(build,), name="compile-decode").start()
+    threading.Thread(target=self._run, args=(jobs,), name="compile-ahead").start()
 
-  def _run(self, build) -> None:
-    for rows in list(self._pending):
+  def _run(self, jobs: dict[Hashable, Callable[[], Any]]) -> None:
+    for key, build in jobs.items():
       try:
-        build(rows)
+        build()
       except Exception:  # pylint: disable=broad-except
         pass  # The call compiles its own program, and raises there if it must.
       with self._done:
-        self._pending.remove(rows)
+        self._pending.remove(key)
         self._done.notify_all()
 
-  def wait(self, rows: int | None) -> None:
-    """Returns once the program for `rows` is not being compiled here (or never was)."""
+  def wait(self, key: Hashable) -> None:
+    """Returns once the program under `key` is not being compiled here (or never was)."""
     with self._done:
-      self._done.wait_for(lambda: rows not in self._pending)
+      self._done.wait_for(lambda: key not in self._pending)
 
   def join(self) -> None:
     """Returns once every program is compiled (or failed to)."""
@@ -584,7 +589,9 @@ class Engine:
     # slots that still hold what it decoded.
     self._occupant = np.zeros((self.num_slots,), np.int64)
     self._pending: collections.deque[_Launched] = collections.deque()  # Calls in flight.
-    self._ahead: _CompileAhead | None = None  # See compile_decode_ahead.
+    self._ahead: _CompileAhead | None = None  # See compile_ahead.
+    # (row width, chunks / 8) -> the (rows, key pages) per shard prefill calls have run.
+    self._prefill_shapes: dict[tuple[int, int], set[tuple[int, int]]] = {}
     self._seqs: list[PagedSequence | None] = [None] * self.num_slots
     self._final_len = np.zeros((self.num_slots,), np.int64)  # Most tokens a slot writes.
     # Per block of group_slots slots: the shared whole prompt pages and their token count.
@@ -734,8 +741,12 @@ class Engine:
     counts = [min(self.config.prefill_chunk, len(p.prompt) - p.prefilled) for p in prefixes]
     chunks = [prefill_pack.Chunk(p.shard, p.prompt[p.prefilled:p.prefilled + n], p.prefilled,
                                  p.seq.pages) for p, n in zip(prefixes, counts)]
+    width = self._packed_width(prefixes, counts)
+    # Shapes this engine's prefill already compiled for this row width and chunk count.
+    compiled = self._prefill_shapes.setdefault((width, cdiv(len(chunks), 8)), set())
     rows, last = prefill_pack.pack(chunks, shards=self.shards, page_size=self.page_size,
-                                   width=self._packed_width(prefixes, counts))
+                                   width=width, reuse=compiled)
+    compiled.add((rows.tokens.shape[0] // self.shards, rows.key_pages.shape[1]))
     self.pool, logits, experts = _prefill(self.params, self.pool, self.layout.put_rows(rows),
                                           self.layout.put_replicated(last),
                                           cfg=self.model_config, layout=self.layout)
@@ -856,8 +867,7 @@ class Engine:
     """Every sample's first token for these prefixes (rows `rows` of the prefill's `logits`)."""
     sizes = [len(p.sample_ids) for p in prefixes]
     n = cdiv(sum(sizes), 8) * 8  # Padded to a multiple of 8: few compiled shapes.
-    operands = [np.zeros((n,), dt) for dt in (np.int32, np.uint32, np.int32, np.float32,
-                                                  np.int32, np.float32)]
+    operands = [np.zeros((n,), dt) for dt in _FIRST_TOKEN_OPERANDS]
     at = 0
     for prefix, row, k in zip(prefixes, rows, sizes):
       sp = prefix.sampling
@@ -868,6 +878,8 @@ class Engine:
     truncation = any(p.sampling.truncates for p in prefixes)
     draws = any(p.sampling.draws for p in prefixes)
     operands = self.layout.put_replicated(operands)
+    if self._ahead is not None:  # Never the same program compiled twice at once.
+      self._ahead.wait(("first", logits.shape[0], n, truncation, draws))
     tok, lp, floor = jax.device_get(_sample_first(logits, *operands, layout=self.layout,
                                                   truncation=truncation, draws=draws))
     at = 0
@@ -1017,7 +1029,7 @@ class Engine:
     rows = None if self.cascade else compact.call_width(self._slots.active, self.shards,
                                                         self.config.decode_buckets)
     if self._ahead is not None:  # Never the same program compiled twice at once.
-      self._ahead.wait(rows)
+      self._ahead.wait(("decode", rows))
     self.pool, self._device_slots, tokens, logprobs, active, experts, floors = _decode_loop(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, rows=rows, truncation=self._truncating(),
@@ -1027,18 +1039,35 @@ class Engine:
     self._pending.append(_Launched(tokens, logprobs, active, experts, floors,
                                    self._occupant.copy(), self.version))
 
-  def compile_decode_ahead(self, sampling: SamplingParams, prompt_len: int,
-                           sequences: int) -> None:
-    """Starts compiling, on a thread, the decode program that this engine's first call
-    runs for a job of `sequences` sequences of prompts of up to `prompt_len` tokens, all
-    sampled with `sampling`, then (for a job of more than one call) the next narrower
-    width's, which its second call runs once a quarter of the sequences have ended; a
-    `launch` that needs one of them waits for it. For a caller with the whole job in hand,
-    which prefills it first (the generate CLI): XLA compiles on one core, so the programs
-    build beside the prefill instead of between decode calls. A guess that misses costs
-    the job nothing but a core for a while."""
+  def compile_ahead(self, sampling: SamplingParams, prompt_len: int, prompts: int,
+                    n: int = 1) -> None:
+    """Starts compiling, on a thread, the programs this engine's first calls run for a job
+    of `prompts` prompts of up to `prompt_len` tokens, `n` samples each, all sampled with
+    `sampling`: the first prefill call's first-token program, the first decode call's, and
+    (for a job of more than one decode call) the next narrower width's, which the second
+    runs once a quarter of the sequences have ended. A call that needs one of them waits
+    for it. For a caller with the whole job in hand, which prefills it first (the generate
+    CLI): XLA compiles on one core, so the programs build beside the first prefill compile
+    and the prefill instead of on the calls' path. A guess that misses costs the job
+    nothing but a core for a while."""
     if self.cascade or self._ahead is not None:
       return
+    self._ahead = _CompileAhead({**self._first_token_ahead(sampling, prompts, n),
+                                 **self._decode_ahead(sampling, prompt_len, prompts * n)})
+
+  def _first_token_ahead(self, sampling: SamplingParams, prompts: int, n: int) -> dict:
+    """The first prefill call's first-token program, for prompts it prefills whole."""
+    chunks = min(prompts, self.config.prefill_rows * self.shards)
+    rows, samples = cdiv(chunks, 8) * 8, cdiv(chunks * n, 8) * 8
+    shape = lambda size, dtype: jax.ShapeDtypeStruct(size, dtype, sharding=self.layout.replicated)
+    operands = [shape((rows, self.model_config.vocab_size), jnp.float32)] + [
+        shape((samples,), dt) for dt in _FIRST_TOKEN_OPERANDS]
+    static = dict(layout=self.layout, truncation=sampling.truncates, draws=sampling.draws)
+    key = ("first", rows, samples, sampling.truncates, sampling.draws)
+    return {key: lambda: _sample_first.lower(*operands, **static).compile()}
+
+  def _decode_ahead(self, sampling: SamplingParams, prompt_len: int, sequences: int) -> dict:
+    """The first decode call's program and, for more than one call, the next narrower."""
     steps, ps = self.config.decode_steps, self.page_size
     written = min(prompt_len + steps, prompt_len + sampling.max_tokens - 1)
     active = np.zeros((self.shards, self.slots_per_shard), bool)
@@ -1056,8 +1085,8 @@ class Engine:
     operands = (self.params, *jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         (self.pool, self._device_slots)), None)
-    self._ahead = _CompileAhead(
-        lambda rows: _decode_loop.lower(*operands, rows=rows, **static).compile(), guesses)
+    build = lambda rows: lambda: _decode_loop.lower(*operands, rows=rows, **static).compile()
+    return {("decode", rows): build(rows) for rows in guesses}
 
   def _truncating(self) -> bool:
     """Whether any slot samples with top-k or top-p (an emptied slot keeps its last

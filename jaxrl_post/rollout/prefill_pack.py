@@ -11,14 +11,16 @@ earlier ones, through the pages.
 
 Each shard's chunks go to that shard's rows (its pages live there); every shard gets the
 same number of rows: enough for the fullest shard, rounded up so that only a few shapes
-compile.
+compile. A caller that passes the shapes it has already run (`reuse`) gets one of those
+instead of a new shape when it wastes little (see `covering`): a compile costs seconds,
+the extra padded rows of one call far less.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -74,10 +76,21 @@ def row_count(tokens: int, width: int) -> int:
   return round_up(-(-max(tokens, 1) // width), 8)
 
 
-def pack(chunks: Sequence[Chunk], *, shards: int, width: int,
-         page_size: int) -> tuple[PackedRows, np.ndarray]:
+def covering(rows: int, keys: int, shapes: Collection[tuple[int, int]]) -> tuple[int, int]:
+  """The smallest of `shapes` ((rows, key pages) per shard) that holds `rows` x `keys` with
+  at most a quarter more rows and twice the key pages, else (rows, keys) itself. Rows are
+  what a prefill computes (every row runs the whole model); key pages only widen the
+  attention's reads."""
+  fits = [s for s in shapes if rows <= s[0] <= rows + rows // 4 and keys <= s[1] <= 2 * keys]
+  return min(fits, default=(rows, keys))
+
+
+def pack(chunks: Sequence[Chunk], *, shards: int, width: int, page_size: int,
+         reuse: Collection[tuple[int, int]] = ()) -> tuple[PackedRows, np.ndarray]:
   """Lays each shard's chunks, in call order, end to end in rows of `width` tokens; the
-  key pages per row are rounded up to a multiple of a quarter of a power of two.
+  key pages per row are rounded up to a multiple of a quarter of a power of two. `reuse`:
+  (rows, key pages) shapes at this width already compiled, which the call takes when one
+  `covering` allows.
 
   Returns:
     (rows, last): last is [C] int32, the flat index (row * T + column) of each chunk's
@@ -90,7 +103,7 @@ def pack(chunks: Sequence[Chunk], *, shards: int, width: int,
   for s, mine in enumerate(pieces):
     for row, _, i, _, b in mine:
       key_cols[s * r + row] += cdiv(chunks[i].start + b, page_size)
-  k = round_up(max(key_cols.values()), 4)
+  r, k = covering(r, round_up(max(key_cols.values()), 4), reuse)
   out = PackedRows(
       tokens=np.zeros((shards * r, width), np.int32),
       positions=np.zeros((shards * r, width), np.int32),

@@ -46,6 +46,44 @@ def test_row_and_key_counts_compile_few_shapes():
       1, 3, 6, 6, 8, 12, 16, 24]
 
 
+def test_a_call_takes_a_compiled_shape_that_covers_it_with_little_waste():
+  covering = prefill_pack.covering
+  assert covering(10, 8, {(12, 12)}) == (12, 12)
+  assert covering(10, 8, {(13, 12)}) == (10, 8)  # More than a quarter more rows.
+  assert covering(10, 5, {(12, 12)}) == (10, 5)  # More than twice the key pages.
+  assert covering(10, 8, {(9, 8)}) == (10, 8)  # Too small.
+  assert covering(10, 8, {(12, 8), (10, 16), (11, 8)}) == (10, 16)  # Fewest rows first.
+  chunks = [_chunk(0, 5, 0, [3, 4]), _chunk(0, 3, 0, [2])]
+  plain, last = prefill_pack.pack(chunks, shards=1, width=8, page_size=4)
+  assert plain.tokens.shape == (1, 8) and plain.key_pages.shape == (1, 3)
+  wide, wide_last = prefill_pack.pack(chunks, shards=1, width=8, page_size=4, reuse={(1, 6)})
+  assert wide.tokens.shape == (1, 8) and wide.key_pages.shape == (1, 6)
+  np.testing.assert_array_equal(wide.key_pages[:, :3], plain.key_pages)
+  assert np.all(wide.key_pages[:, 3:] == TRASH_PAGE) and np.all(wide.key_segments[:, 3:] == -1)
+  np.testing.assert_array_equal(wide_last, last)
+
+
+def test_a_smaller_later_call_runs_on_the_first_calls_program(monkeypatch):
+  """The second call's 4 prompts need 4 rows and 8 key pages; it runs padded to the first
+  call's 5 rows and 16 key pages (one program for both), with the full forward's logprobs."""
+  shapes = []
+  pack = prefill_pack.pack
+
+  def recording(chunks, **kw):
+    out = pack(chunks, **kw)
+    shapes.append((out[0].tokens.shape, out[0].key_pages.shape,
+                   pack(chunks, **{**kw, "reuse": ()})[0].tokens.shape))
+    return out
+
+  monkeypatch.setattr(prefill_pack, "pack", recording)
+  prompts = H.prompts(np.random.default_rng(7), [30, 30, 30, 30, 20, 25, 20, 20])
+  sampling = SamplingParams(temperature=0.9, max_tokens=3, seed=5)
+  out = generate(H.engine(prefill_chunk=32, prefill_rows=4, num_slots=4), prompts, n=1,
+                 sampling=sampling)
+  assert shapes == [((5, 24), (5, 16), (5, 24)), ((5, 24), (5, 16), (4, 24))]
+  assert H.check_behaviour_logprobs(prompts, out, 0.9) == 8 * 3
+
+
 def test_packed_rows_equal_the_full_forward(monkeypatch):
   """Short prompts share rows, long ones run across rows and, past prefill_chunk, into a
   second call (whose chunk starts inside a page); every sampled token's logprob is the
