@@ -11,6 +11,19 @@ def _chunk(shard, n, start, pages):
   return prefill_pack.Chunk(shard, np.arange(100, 100 + n, dtype=np.int32), start, pages)
 
 
+def _record_packs(monkeypatch, summary) -> list:
+  """Patches prefill_pack.pack to record summary(chunks, kwargs, result) of every call."""
+  seen, pack = [], prefill_pack.pack
+
+  def recording(chunks, **kw):
+    out = pack(chunks, **kw)
+    seen.append(summary(chunks, kw, out))
+    return out
+
+  monkeypatch.setattr(prefill_pack, "pack", recording)
+  return seen
+
+
 def test_pack_lays_chunks_end_to_end_per_shard():
   chunks = [_chunk(0, 5, 0, [3, 4]), _chunk(1, 7, 0, [9, 10]), _chunk(0, 10, 6, [5, 6, 7, 8]),
             _chunk(0, 3, 0, [2])]
@@ -66,16 +79,10 @@ def test_a_call_takes_a_compiled_shape_that_covers_it_with_little_waste():
 def test_a_smaller_later_call_runs_on_the_first_calls_program(monkeypatch):
   """The second call's 4 prompts need 4 rows and 8 key pages; it runs padded to the first
   call's 5 rows and 16 key pages (one program for both), with the full forward's logprobs."""
-  shapes = []
   pack = prefill_pack.pack
-
-  def recording(chunks, **kw):
-    out = pack(chunks, **kw)
-    shapes.append((out[0].tokens.shape, out[0].key_pages.shape,
-                   pack(chunks, **{**kw, "reuse": ()})[0].tokens.shape))
-    return out
-
-  monkeypatch.setattr(prefill_pack, "pack", recording)
+  shapes = _record_packs(monkeypatch, lambda chunks, kw, out: (
+      out[0].tokens.shape, out[0].key_pages.shape,
+      pack(chunks, **{**kw, "reuse": ()})[0].tokens.shape))
   prompts = H.prompts(np.random.default_rng(7), [30, 30, 30, 30, 20, 25, 20, 20])
   sampling = SamplingParams(temperature=0.9, max_tokens=3, seed=5)
   out = generate(H.engine(prefill_chunk=32, prefill_rows=4, num_slots=4), prompts, n=1,
@@ -88,17 +95,12 @@ def test_packed_rows_equal_the_full_forward(monkeypatch):
   """Short prompts share rows, long ones run across rows and, past prefill_chunk, into a
   second call (whose chunk starts inside a page); every sampled token's logprob is the
   full forward's."""
-  rows_seen = []
-  pack = prefill_pack.pack
-
-  def recording(chunks, **kw):
-    out = pack(chunks, **kw)
+  def placed(chunks, kw, out):
     segments = out[0].segments
-    rows_seen.append((len(chunks), len(np.unique(segments[segments >= 0])),
-                      int(np.sum(np.any(segments >= 0, axis=1)))))
-    return out
+    return (len(chunks), len(np.unique(segments[segments >= 0])),
+            int(np.sum(np.any(segments >= 0, axis=1))))
 
-  monkeypatch.setattr(prefill_pack, "pack", recording)
+  rows_seen = _record_packs(monkeypatch, placed)
   prompts = H.prompts(np.random.default_rng(7), [1, 3, 5, 9, 14, 6, 45, 2])
   sampling = SamplingParams(temperature=0.9, max_tokens=6, seed=5)
   out = generate(H.engine(prefill_chunk=32, prefill_rows=8, num_slots=8), prompts, n=1,
