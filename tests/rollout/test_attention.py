@@ -113,3 +113,36 @@ def test_jnp_decode_path_equals_dense_attention_over_the_rows_tokens(window):
     mask &= (lengths - 1)[:, None] - pos < window
   want = L.attention(q[:, None], k, v, mask[:, None, :])[:, 0]
   np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget_rows", [1, 2, 3])
+def test_cpu_path_in_row_chunks_equals_all_rows_at_once(monkeypatch, budget_rows):
+  """The CPU path splits the rows into chunks whose gathered keys and values fit
+  CPU_GATHER_BYTES (7 rows in chunks of 1, 2 or 3: the last chunk padded); decode and
+  cascade attention give what the rows give at once, and padding never shows."""
+  from jaxrl_post.rollout import attention as A
+  hkv, n_layers, n_pages, ps, d, hq, layer = 2, 3, 24, 4, 8, 6, 2
+  k_pool, v_pool = _stacked_pool(np.random.default_rng(11), hkv, n_layers, n_pages, ps, d)
+  q = jnp.asarray(np.random.default_rng(12).normal(size=(7, hq, d)), jnp.float32)
+  table = jnp.asarray(np.random.default_rng(13).permutation(n_pages)[:21].reshape(7, 3),
+                      jnp.int32)
+  lengths = jnp.asarray([1, 12, 5, 9, 0, 3, 11], jnp.int32)  # Row 4 has nothing yet.
+  shared = SharedPrefix(jnp.asarray([[3, 7], [0, 0], [5, 0], [0, 0], [1, 2], [6, 0],
+                                     [0, 0]], jnp.int32),
+                        jnp.asarray([2 * ps, 0, ps, 0, 2 * ps, ps, 0], jnp.int32))
+
+  def both():
+    decode = jax.jit(lambda: paged_decode_attention(q, k_pool, v_pool, layer, table,
+                                                    jnp.maximum(lengths, 1),
+                                                    use_kernel=False))()
+    cascade = jax.jit(lambda: cascade_decode_attention(q, k_pool, v_pool, layer, shared,
+                                                       table, lengths, use_kernel=False))()
+    return decode, cascade
+
+  whole = both()
+  row_bytes = 2 * hkv * table.shape[1] * ps * d * 4  # The cascade's prefix is narrower.
+  monkeypatch.setattr(A, "CPU_GATHER_BYTES", budget_rows * row_bytes)
+  chunked = both()
+  for got, want in zip(chunked, whole):
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-6)
