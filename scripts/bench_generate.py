@@ -523,7 +523,7 @@ def peer_first_pass(python: str, spec: dict) -> dict:
   try:
     start = time.perf_counter()
     proc = subprocess.run([python, os.path.abspath(__file__), "--_peer_cold", f.name],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=peer_env())
     wall = time.perf_counter() - start
   finally:
     os.unlink(f.name)
@@ -533,6 +533,13 @@ def peer_first_pass(python: str, spec: dict) -> dict:
   figures = json.loads(proc.stdout.strip().splitlines()[-1])
   figures["first_pass_wall_s"] = round(wall, 3)
   return figures
+
+
+def peer_env() -> dict:
+  """The environment without PYTHONPATH: the peer needs nothing of this project, and a
+  checkout on the path shadows with its top-level `kernels` folder the package of that
+  name that transformers imports when it is there."""
+  return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def torch_here() -> bool:
@@ -552,7 +559,7 @@ class PeerProcess:
     self._stderr = tempfile.TemporaryFile("w+")
     self._proc = subprocess.Popen([python, os.path.abspath(__file__), "--_peer", f.name],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self._stderr, text=True)
+                                  stderr=self._stderr, text=True, env=peer_env())
     self._expect("ready")
 
   def _expect(self, what: str) -> str:
