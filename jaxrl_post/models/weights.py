@@ -133,12 +133,12 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
     getattr(model.layers, name).set_value(_on_devices([t[name] for t in per_layer], dtype))
   v, d = cfg.vocab_size, cfg.hidden_size
   embed = _fetch(get, "model.embed_tokens.weight", (v, d), (v, d), source, transpose=False)
-  model.embed.set_value(_on_devices([embed], dtype)[0])
+  model.embed.set_value(_on_devices(embed, dtype))
   model.final_norm.set_value(
-      _on_devices([_fetch(get, "model.norm.weight", (d,), (d,), source)], dtype)[0])
+      _on_devices(_fetch(get, "model.norm.weight", (d,), (d,), source), dtype))
   if not cfg.tie_word_embeddings:  # HF stores [V, D]; ours is [D, V].
     model.lm_head.set_value(_on_devices(
-        [_fetch(get, "lm_head.weight", (v, d), (d, v), source)], dtype)[0])
+        _fetch(get, "lm_head.weight", (v, d), (d, v), source), dtype))
   init_lora(model)  # Adapters are new: the checkpoint holds the base weights.
   if cfg.value_head:  # So is a critic head on a policy checkpoint.
     model.value_w.set_value(jnp.zeros((cfg.hidden_size,), dtype))
@@ -147,17 +147,20 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
   return model
 
 
-def _on_devices(parts: list[np.ndarray], dtype) -> jax.Array:
-  """The parts stacked into one array of `dtype`: converted straight into a 64-byte
-  aligned host buffer, which a CPU backend takes as the array's memory instead of copying
-  it (the copy of SmolLM2-135M's 538 MB of float32 weights took 1.5 s); an accelerator
-  copies it over."""
-  shape = (len(parts), *parts[0].shape)
+def _on_devices(host: np.ndarray | list[np.ndarray], dtype) -> jax.Array:
+  """`host` (a list: its arrays stacked) as one array of `dtype`: converted straight into
+  a 64-byte aligned host buffer, which a CPU backend takes as the array's memory instead
+  of copying it (the copy of SmolLM2-135M's 538 MB of float32 weights took 1.5 s); an
+  accelerator copies it over."""
+  shape = (len(host), *host[0].shape) if isinstance(host, list) else host.shape
   nbytes = int(np.prod(shape)) * dtype.itemsize
   raw = np.empty(nbytes + _ALIGN, np.uint8)
   start = -raw.ctypes.data % _ALIGN
   out = raw[start:start + nbytes].view(dtype).reshape(shape)
-  np.stack(parts, out=out, casting="same_kind")
+  if isinstance(host, list):
+    np.stack(host, out=out, casting="same_kind")
+  else:
+    np.copyto(out, host, casting="same_kind")
   return jax.device_put(out)
 
 
