@@ -612,7 +612,8 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 def cores() -> int:
   """CPU cores this process may run on (the peer's torch threads)."""
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  from jaxrl_post import host
+  return host.cpus()
 
 
 def device_line() -> str:

@@ -8,7 +8,6 @@ single place that maps them into our stacked, logically named parameters.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from typing import Callable
 
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_post import host
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.transformer import Transformer, abstract_model, init_lora, \
@@ -126,7 +126,7 @@ def model_from_tensors(cfg: ModelConfig, get: GetTensor, source: str) -> Transfo
   dtype = jnp.dtype(cfg.param_dtype)
   model = abstract_model(cfg)
   # Layers dequantise on every core: numpy lets go of the interpreter lock in its loops.
-  with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+  with concurrent.futures.ThreadPoolExecutor(host.cpus()) as pool:
     per_layer = list(pool.map(lambda i: _layer_tensors(cfg, get, i, source),
                               range(cfg.num_layers)))
   for name in layer_param_shapes(cfg):

@@ -44,6 +44,7 @@ from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from jaxrl_post import host
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards.base import Problem, Task
 from jaxrl_post.rewards.compose import reward_metrics
@@ -58,8 +59,7 @@ _STOP_GRACE_S = 2.0  # How long `close` lets an idle worker exit before killing 
 
 def default_workers() -> int:
   """min(4, the CPUs this process may run on): verifiers share the host with the trainer."""
-  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return min(4, cpus or 1)
+  return min(4, host.cpus())
 
 
 @dataclasses.dataclass(frozen=True)
