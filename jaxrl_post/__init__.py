@@ -2,9 +2,10 @@
 
 import os as _os
 
-from jaxrl_post import _checkout, _libtpu
+from jaxrl_post import _checkout, _cuda, _libtpu
 
 __version__ = "0.1.0"
 
 _checkout.install(__name__, _os.path.dirname(__file__))
 _libtpu.quiet_without_tpu()  # Before jax starts a backend: every command imports us first.
+_cuda.quiet_without_gpu()

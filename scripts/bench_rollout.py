@@ -213,7 +213,8 @@ def _peak_bandwidth() -> float | None:
 
 
 def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
-                    completion: int = 256, steps: int = 32) -> dict:
+                    completion: int = 256, steps: int = 32,
+                    profile_dir: str | None = None) -> dict:
   """Decode tokens/s of `cfg` (bf16, random weights) and its share of the HBM roofline."""
   model = init_model(cfg, seed=0)
   page_size = 16
@@ -233,6 +234,10 @@ def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
   # Step j of a slot feeds the token at position prompt_len + j: it reads that many + 1 keys.
   done = int((engine.generate().tokens[0] >= 0).sum())  # Compiles; not timed.
   timed_steps, seconds, contexts = 0, 0.0, []
+  profile = None
+  if profile_dir:  # One call under the profiler, not timed (the trace slows it).
+    out, profile = _profile_call(engine, profile_dir)
+    done += int((out.tokens[0] >= 0).sum())
   while done < completion - 1:
     start = time.perf_counter()
     out = engine.generate()  # Returns host arrays: the device work is done.
@@ -252,16 +257,83 @@ def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
     roofline_s = (weight_bytes + kv_bytes) / bandwidth
     result.update(roofline_step_ms=round(1e3 * roofline_s, 3),
                   hbm_roofline_pct=round(100 * roofline_s / step_s, 1))
+  if profile is not None:
+    result["profile"] = profile
   return result
+
+
+def _profile_call(engine: Engine, tmp: str, top: int = 25):
+  """One generate() call under jax's profiler: (its output, the device's kernels by name
+  with launches per decode step and share of the device-busy time), to say where a decode
+  step goes."""
+  import collections
+  import glob
+  from jax.profiler import ProfileData
+  jax.profiler.start_trace(tmp)
+  start = time.perf_counter()
+  out = engine.generate()
+  wall = time.perf_counter() - start
+  jax.profiler.stop_trace()
+  kernels = collections.defaultdict(lambda: [0, 0.0])
+  lines = []
+  for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True):
+    for plane in ProfileData.from_file(path).planes:
+      if not plane.name.startswith(("/device:GPU", "/device:TPU")):
+        continue
+      for line in plane.lines:
+        lines.append(line.name)
+        if not line.name.startswith("Stream"):
+          continue
+        for ev in line.events:
+          kernels[ev.name][0] += 1
+          kernels[ev.name][1] += ev.duration_ns * 1e-9
+  produced = int((out.tokens >= 0).sum(axis=1).max())
+  busy = sum(t for _, t in kernels.values())
+  ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+  return out, {"decode_steps": produced, "wall_ms": round(1e3 * wall, 3), "lines": lines[:12],
+          "device_busy_ms": round(1e3 * busy, 3),
+          "launches_per_step": round(sum(n for n, _ in kernels.values()) / max(produced, 1), 1),
+          "top": [{"name": name[:120], "per_step": round(n / max(produced, 1), 2),
+                   "ms_per_step": round(1e3 * t / max(produced, 1), 4),
+                   "busy_pct": round(100 * t / busy, 1)} for name, (n, t) in ranked[:top]]}
+
+
+def _decode_figures(args) -> list:
+  """decode_roofline for each --models preset (random bf16 weights) and --slots count."""
+  figures = []
+  for name in args.models.split(","):
+    base = TINY if name == "tiny" else preset(name)  # tiny: checks the script on a CPU
+    cfg = base.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    for slots in (int(s) for s in args.slots.split(",")):
+      with tempfile_dir(args.profile) as tmp:
+        figures.append({"model": name, **decode_roofline(cfg, slots=slots, profile_dir=tmp)})
+  return figures
+
+
+def tempfile_dir(on: bool):
+  import contextlib
+  import tempfile
+  return tempfile.TemporaryDirectory() if on else contextlib.nullcontext(None)
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--requests", type=int, default=96, help="batching workload size")
+  p.add_argument("--decode-only", action="store_true",
+                 help="only the accelerator decode roofline (skip the tiny-model parts)")
+  p.add_argument("--slots", default="64", help="comma-separated decode slot counts")
+  p.add_argument("--models", default="llama3.2-1b",
+                 help="comma-separated presets for the decode roofline (or tiny)")
+  p.add_argument("--profile", action="store_true",
+                 help="add a per-kernel profile of one decode call to each decode figure")
   args = p.parse_args(argv)
-  model = init_model(TINY, seed=0)
   result = {"backend": jax.default_backend(), "jax": jax.__version__}
+  if args.decode_only:
+    result["decode"] = _decode_figures(args)
+    print(json.dumps(result))
+    return 0
+  model = init_model(TINY, seed=0)
   result.update(prefix_sharing_page_ratio(model))
   result.update(continuous_vs_static(model, args.requests))
   result.update(cascade_prefix_read_ratio(model))
@@ -270,6 +342,7 @@ def main(argv=None) -> int:
     cfg = preset("llama3.2-1b", param_dtype="bfloat16", compute_dtype="bfloat16")
     result["decode_model"] = "llama3.2-1b, random bf16 weights"
     result.update(decode_roofline(cfg))
+    result["decode"] = _decode_figures(args)
   if args.json:
     print(json.dumps(result))
   else:

@@ -10,15 +10,24 @@
 # BUDGET_S (default: none) bounds the whole check: each part gets at most what is left of it
 # (and at most PART_TIMEOUT_S), a part with under 20 s left is recorded as skipped, and the
 # JSON is still written: time on a GPU host is often short.
+# QUICK=1 runs the parts that fit in about 6 minutes of device time (BUDGET_S 330 unless
+# given): decode % of the HBM roofline at 64 and 256 slots (1B and SmolLM2 shapes, with a
+# per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, and
+# plan's predicted 1B step on this GPU beside it.
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
+#        QUICK=1 bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/gpu_check_$(date +%F).json}
-PARTS=${PARTS:-"tests greedy kernels rollout sync step step_1b scale generate plan plan_1b"}
+if [[ -n "${QUICK:-}" ]]; then
+  PARTS=${PARTS:-"decode kernels step_1b plan_1b"}; BUDGET=${BUDGET_S:-330}
+else
+  PARTS=${PARTS:-"tests greedy decode kernels rollout sync step step_1b scale generate plan plan_1b"}
+  BUDGET=${BUDGET_S:-0}
+fi
 LIMIT=${PART_TIMEOUT_S:-900}
-BUDGET=${BUDGET_S:-0}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -45,6 +54,10 @@ part() {  # part NAME CMD...: runs CMD, keeps its last stdout line (the JSON) an
 part tests "$PY" -m pytest -q -m gpu $(grep -rl --include='test_*.py' "mark.gpu" tests) \
   -p no:cacheprovider --junitxml="$WORK/junit.xml"
 part greedy "$PY" scripts/check_greedy.py --json ${GREEDY_ARGS:-}
+# Decode at RL batch sizes: % of the HBM roofline at 64 and 256 slots for the 1B and SmolLM2
+# shapes (bf16, random weights), each with a per-kernel profile of one decode call.
+part decode "$PY" scripts/bench_rollout.py --decode-only --slots 64,256 \
+  --models llama3.2-1b,smollm2-135m --profile --json
 part kernels "$PY" scripts/bench_kernels.py --json
 part rollout "$PY" scripts/bench_rollout.py --json
 part sync "$PY" scripts/bench_sync.py --json

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 
 from tests.xla import host_flags
 
@@ -41,3 +42,30 @@ def test_out_of_budget_parts_are_recorded_as_skipped(tmp_path):
   assert done.returncode == 0, done.stderr[-2000:]
   assert report["parts"] == {"greedy": {"skipped": "out of BUDGET_S"},
                              "kernels": {"skipped": "out of BUDGET_S"}}
+
+
+def test_the_quick_check_names_its_parts_within_its_budget(tmp_path):
+  """QUICK=1: the parts that answer the step target in about 6 minutes of device time."""
+  out = tmp_path / "check.json"
+  env = dict(os.environ, QUICK="1", BUDGET_S="1", GPU_CHECK_OUT=str(out),
+             JAX_PLATFORMS="cpu", XLA_FLAGS=host_flags(1))
+  done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  parts = json.loads(out.read_text())["parts"]
+  assert list(parts) == ["decode", "kernels", "step_1b", "plan_1b"]
+
+
+def test_the_decode_part_reports_the_roofline_and_a_kernel_profile(tmp_path):
+  """The decode part's script on the CPU (tiny model): tokens/s per slot count, and the
+  profile of one decode call (a CPU trace has no device kernels: zero launches)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_flags(1))
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_rollout.py"),
+                         "--decode-only", "--models", "tiny", "--slots", "2,4", "--profile",
+                         "--json"], env=env, capture_output=True, text=True, timeout=600,
+                        cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-2000:]
+  decode = json.loads(done.stdout.strip().splitlines()[-1])["decode"]
+  assert [d["decode_slots"] for d in decode] == [2, 4]
+  for d in decode:
+    assert d["decode_tokens_per_s"] > 0 and d["profile"]["decode_steps"] == 32

@@ -152,3 +152,5 @@ def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
   result = json.loads(out.stdout)
   assert result["compiled_for"] == "target"
   assert result["attention_backends"]["decode"] == "paged_attention triton"
+  kernels = result["decode_kernels_per_step"]  # Each layer's weights read in place.
+  assert kernels["total"] > 0 and "slice_copy" not in kernels["by_kind"], kernels

@@ -387,3 +387,75 @@ def kernels_in(hlo_text: str) -> tuple[str, ...]:
     name = re.sub(r"_(mosaic|triton)$", "", name)
     found.add(f"{name} {_KERNEL_CALLS[target.group(1)]}")
   return tuple(sorted(found))
+
+
+# Ops that launch nothing on the device (views, tuples, scalars the runtime supplies, the
+# ends of async pairs) or that hand over to another computation counted on its own.
+_NO_LAUNCH = _FREE | {"while", "conditional", "call"}
+
+
+def _launch_kind(instr: Instr, comps: dict[str, list[Instr]]) -> str:
+  """What a top-level op launches: matmul, attention (a Pallas kernel), update (an
+  in-place scatter: the KV write), slice_copy (a dynamically indexed slice copied into a
+  buffer of its own: a scanned layer's weights on XLA:GPU), copy, collective or fusion."""
+  if instr.opcode == "custom-call":
+    if "triton" in instr.attrs or "tpu_custom_call" in instr.attrs:
+      return "attention" if "attention" in instr.attrs else "kernel"
+    return "matmul" if ("cublas" in instr.attrs or "matmul" in instr.attrs) else "custom_call"
+  if instr.opcode in _COLLECTIVES:
+    return "collective"
+  if instr.opcode in ("copy", "copy-start"):
+    return "copy"
+  if instr.opcode == "dynamic-slice":
+    return "slice_copy"
+  if instr.opcode in ("fusion", "fusion-start"):
+    called = _attr(instr.attrs, "calls")
+    body = comps.get(called, [])
+    if "gemm" in called or "dynamic-slice-fusion" in called or any(
+        i.opcode in ("dot", "convolution") for i in body):
+      return "matmul"
+    root = next((i for i in body if i.root), None)
+    if root is not None and root.opcode in _IN_PLACE:
+      return "update"
+    if root is not None and root.opcode == "dynamic-slice":
+      return "slice_copy"
+    return "fusion"
+  return instr.opcode
+
+
+def loop_launches(hlo_text: str) -> Optional[dict]:
+  """Device launches per iteration of the entry computation's main while loop (the decode
+  loop: per decode step), by kind, nested loops counted by their trip counts; None when
+  the program has no loop. Each launch costs a few microseconds of scheduling whatever
+  it computes, which is what a decode step at small batch is made of."""
+  computations, entry = parse(hlo_text)
+  loops = [i for i in computations.get(entry, []) if i.opcode == "while"]
+  if not loops:
+    return None
+  walker = _Walker(computations)
+  size = lambda loop: len(computations.get(_attr(loop.attrs, "body"), []))
+  loop = max(loops, key=size)
+  counts: dict[str, float] = {}
+
+  def walk(name: str, times: float) -> None:
+    for instr in computations.get(name, []):
+      if instr.opcode == "while":
+        trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
+        walk(_attr(instr.attrs, "body"), times * trips)
+        walk(_attr(instr.attrs, "condition"), times * trips)
+      elif instr.opcode == "conditional":
+        branches = re.findall(r"%([\w.\-]+)",
+                              _attr_list(instr.attrs, "branch_computations"))
+        counts["conditional"] = counts.get("conditional", 0) + times
+        sizes = [(len(computations.get(b, [])), b) for b in branches]
+        if sizes:
+          walk(max(sizes)[1], times)
+      elif instr.opcode == "call":
+        walk(_attr(instr.attrs, "to_apply"), times)
+      elif instr.opcode not in _NO_LAUNCH:
+        kind = _launch_kind(instr, computations)
+        counts[kind] = counts.get(kind, 0) + times
+
+  walk(_attr(loop.attrs, "body"), 1.0)
+  walk(_attr(loop.attrs, "condition"), 1.0)
+  return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items()))}

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
 from jaxrl_post.plan.buffers import Allocation, largest_allocations, reported_allocations
-from jaxrl_post.plan.hlo_cost import ProgramCost, kernels_in, program_cost
+from jaxrl_post.plan.hlo_cost import ProgramCost, kernels_in, loop_launches, program_cost
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
 from jaxrl_post.rl.packing import bucket
@@ -62,6 +62,8 @@ class CompiledMemory:
       by its trip count (plan.hlo_cost), for predicting times (None unless analysed).
     kernels: the Pallas kernels the compiled program calls, e.g. "paged_attention mosaic"
       (empty unless analysed).
+    launches: device launches per iteration of the program's main loop, by kind
+      (plan.hlo_cost.loop_launches; None unless analysed, or without a loop).
   """
 
   argument_bytes: int
@@ -72,6 +74,7 @@ class CompiledMemory:
   flops: float
   cost: Optional[ProgramCost] = None
   kernels: tuple[str, ...] = ()
+  launches: Optional[dict] = None
 
   @property
   def peak_bytes(self) -> int:
@@ -164,7 +167,8 @@ def compiled_memory(compiled, analyse: bool = False) -> CompiledMemory:
                         generated_code_bytes=int(m.generated_code_size_in_bytes),
                         alias_bytes=int(m.alias_size_in_bytes),
                         flops=_flops(compiled), cost=program_cost(text) if analyse else None,
-                        kernels=kernels_in(text) if analyse else ())
+                        kernels=kernels_in(text) if analyse else (),
+                        launches=loop_launches(text) if analyse else None)
 
 
 def _flops(compiled) -> float:
@@ -298,7 +302,17 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
   n = batch.sequence.shape[1] * batch.sequence.shape[0]
   replicated = NamedSharding(trainer.mesh, PartitionSpec())
   f32 = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated)
-  return step.lower(state, reference, batch, SequenceScores(f32, f32), None, ())
+  with _gpu_target(trainer.mesh):
+    return step.lower(state, reference, batch, SequenceScores(f32, f32), None, ())
+
+
+def _gpu_target(mesh: Mesh):
+  """Where a GPU program is traced on a host without one: its mesh as the abstract mesh in
+  context, which Pallas' Triton lowering asks for the GPU it compiles for (a kernel under
+  shard_map finds it there already; one called on a one-device mesh does not)."""
+  if mesh_platform(mesh) == "gpu" and jax.default_backend() != "gpu":
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+  return contextlib.nullcontext()
 
 
 def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = TrainerConfig(),
@@ -493,6 +507,7 @@ def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: in
   """
   from jaxrl_post.rollout.engine import SlotState
   from jaxrl_post.rollout.pages import KVPool
+  from jaxrl_post.rollout.weights import abstract_split
 
   model = abstract_model(model_cfg)
   shapes = params_of(model)
@@ -506,6 +521,8 @@ def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: in
     rows = layout.rows
   params = _abstract(shapes, tree_shardings(logical_axes(model), shapes, ROLLOUT_RULES, mesh),
                      wdt)
+  if layout is not None and layout.split_layers:  # The engine's per-layer copy (GPU).
+    params = abstract_split(params, model_cfg.num_layers)
   pool_shape = (model_cfg.num_kv_heads, model_cfg.num_layers, shards * pages_per_shard,
                 page_size, model_cfg.head_dim)
   kv = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(kv_dtype), sharding=pool_sharding(5))

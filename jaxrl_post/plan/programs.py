@@ -138,8 +138,17 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
                   prefill=prefill,
                   decode=decode, decode_steps=steps, sync=sync,
-                  rollout_weight_bytes=memory.device_bytes(params),
+                  rollout_weight_bytes=_rollout_weight_bytes(cfg, params, layout),
                   decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)
+
+
+def _rollout_weight_bytes(cfg: ModelConfig, params, layout: RolloutLayout) -> int:
+  """What the rollout's weights hold per device: the synced copy, and on a layout that
+  splits the layers the engine's per-layer copy of them beside it (rollout.weights)."""
+  total = memory.device_bytes(params)
+  if layout.split_layers:
+    total += sum(memory.device_bytes(layer) for layer in params["layers"])
+  return total
 
 
 def _decode_weight_bytes(cfg: ModelConfig, params) -> int:

@@ -44,6 +44,7 @@ class Plan:
   grad_bytes_per_rank: int
   rollout_payload_bytes: int
   decode_bytes_vs_floor: float
+  decode_kernels_per_step: dict  # total, per_layer, by_kind (plan.hlo_cost.loop_launches)
   largest_buffers: list
   notes: list
 
@@ -162,9 +163,19 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       rollout_payload_bytes=int(s.samples * exp.rollout.max_new_tokens *
                                 PAYLOAD_BYTES_PER_TOKEN),
       decode_bytes_vs_floor=round(p.decode.cost.bytes / p.decode_steps / floor, 3),
+      decode_kernels_per_step=_per_step(p.decode.launches, p.model.num_layers),
       largest_buffers=[] if fits else [{"bytes": a.bytes, "values": a.values}
                                        for a in train.largest[:5]],
       notes=_notes(p, target, compiled_for))
+
+
+def _per_step(launches, layers: int) -> dict:
+  """The decode loop's launches per step, and per layer: a step is layers x a handful of
+  kernels plus the sampling; each launch costs microseconds whatever it computes."""
+  if not launches:
+    return {}
+  return {"total": launches["total"], "per_layer": round(launches["total"] / layers, 1),
+          "by_kind": launches["by_kind"]}
 
 
 def _memory(mem: CompiledMemory) -> dict:
@@ -215,6 +226,9 @@ def text(plan: Plan) -> str:
                f"{plan.grad_bytes_per_rank / GB:.3f} GB per rank, rollout payload "
                f"{plan.rollout_payload_bytes / 1e6:.2f} MB")
   lines.append(f"decode bytes vs floor: {plan.decode_bytes_vs_floor:.2f}")
+  if plan.decode_kernels_per_step:
+    k = plan.decode_kernels_per_step
+    lines.append(f"decode kernels per step: {k['total']:.0f} ({k['per_layer']} per layer)")
   for buf in plan.largest_buffers:
     lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
   lines.extend(f"note: {n}" for n in plan.notes)

@@ -108,6 +108,19 @@ CHIPS = {
     "a100": Chip("a100", "gpu", 80 * GB, 2.039e12, 312e12, 300e9),
 }
 
+# Device kinds (as jax reports them) of the chips above, lower-cased, most specific first.
+_KINDS = (("h100 pcie", None), ("h100", "h100"), ("h200", "h200"), ("a100", "a100"),
+          ("v5 lite", "v5e"), ("v5e", "v5e"), ("v6 lite", "v6e"), ("v6e", "v6e"),
+          ("v5p", "v5p"), ("v4", "v4"))
+
+
+def chip_of_kind(device_kind: str) -> Optional[Chip]:
+  """The published figures of a local accelerator ("NVIDIA H100 80GB HBM3", "TPU v5p"), or
+  None for a kind not in the table (a variant with other peaks, or a CPU)."""
+  kind = device_kind.lower()
+  return next(((CHIPS[name] if name else None) for key, name in _KINDS if key in kind), None)
+
+
 # Slice name -> chips. v4 and v5p names count TensorCores, two per chip (v5p-8 is 4 chips);
 # v5e and v6e names count chips.
 TPU_SLICES = {

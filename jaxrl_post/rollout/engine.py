@@ -43,8 +43,8 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.moe import NO_EXPERT
 from jaxrl_post.models.transformer import (Transformer, abstract_model, logical_axes,
-                                           params_of, with_params)
-from jaxrl_post.rollout import compact, forward, prefill_pack
+                                           params_of)
+from jaxrl_post.rollout import compact, forward, prefill_pack, weights
 from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, KVPool, PageAllocator, PagedSequence,
@@ -108,6 +108,8 @@ class EngineConfig:
       K/V instead of prefilling it, to the token (a page that matches in part is copied;
       see rollout.prefix_cache). The cache holds its pages
       until the pool runs short, the weights change, or `drop_prefix_cache`.
+    split_layers: hold the weights one buffer per layer and unroll the layers in the
+      engine's programs (rollout.weights); None decides by the mesh's platform (GPU: yes).
   """
 
   num_slots: int | None = None
@@ -123,6 +125,8 @@ class EngineConfig:
   # Each width a job reaches is one more decode program to compile (see rollout.compact).
   decode_buckets: int = 4
   prefix_cache: bool = False
+  # None: on a GPU mesh only (see rollout.weights; costs one more copy of the weights).
+  split_layers: bool | None = None
 
   def __post_init__(self):
     for name in ("num_slots", "decode_steps", "prefill_chunk", "prefill_rows",
@@ -201,8 +205,9 @@ def _template(cfg: ModelConfig) -> Transformer:
   return abstract_model(cfg)
 
 
-def _bind(cfg: ModelConfig, params) -> Transformer:
-  return with_params(_template(cfg), params)
+def _bind(cfg: ModelConfig, params):
+  """(the model bound to `params`, its per-layer weights or None): see rollout.weights."""
+  return weights.bind(cfg, params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "rows",
@@ -303,7 +308,7 @@ class _Launched(NamedTuple):
 
 
 def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, draws):
-  model = _bind(cfg, params)
+  model, layers = _bind(cfg, params)
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
 
@@ -314,7 +319,8 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, d
   def body(carry):
     i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
     logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
-                                                st.page_table, st.active, shared, layout)
+                                                st.page_table, st.active, shared, layout,
+                                                layers=layers)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
                                         truncation, draws)
@@ -343,8 +349,9 @@ def _prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: 
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
   each row token's experts [R, T, L, k] int16 replicated, or None for a dense model)."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    logits, pool, experts = forward.prefill_packed(_bind(cfg, params), pool, rows, last,
-                                                   layout)
+    model, layers = _bind(cfg, params)
+    logits, pool, experts = forward.prefill_packed(model, pool, rows, last, layout,
+                                                   layers=layers)
   if experts is not None:
     experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
   return pool, logits, experts
@@ -557,7 +564,7 @@ class Engine:
   def __init__(self, model_config: ModelConfig, params, config: EngineConfig = EngineConfig(),
                *, version: int = 0, mesh: Mesh | None = None):
     self.model_config, self.config = model_config, config
-    self.layout = RolloutLayout.build(model_config, mesh)
+    self.layout = RolloutLayout.build(model_config, mesh, config.split_layers)
     self.shards = self.layout.data_shards
     self.prefix_caches: list[PrefixCache] = []
     self.set_weights(params, version)
@@ -622,6 +629,8 @@ class Engine:
     shardings = tree_shardings(logical_axes(template), params_of(template), ROLLOUT_RULES,
                                self.layout.mesh)
     self.params = jax.tree.map(_placed, params, shardings)
+    if self.layout.split_layers:
+      self.params = weights.split_layers(self.params, self.model_config.num_layers)
     self.version = int(version)
     for cache in self.prefix_caches:  # Cached K/V came from the old weights.
       cache.clear()

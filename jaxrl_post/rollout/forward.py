@@ -61,10 +61,13 @@ def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [
   return jnp.where(valid, pages, TRASH_PAGE)
 
 
-def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write):
-  """Scans the layers over x [B, T, D] at positions [B, T].
+def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write,
+                layers=None):
+  """Runs the layers over x [B, T, D] at positions [B, T].
 
   attend_and_write(pool, layer, q, k, v) stores the new K/V and returns (attn, pool).
+  `layers` None scans the model's stacked layers; a tuple of per-layer weight dicts
+  (rollout.weights) unrolls them, so each matmul reads its layer's buffer in place.
   Returns (x, pool, experts): experts [B, T, L, k] int32, each MoE layer's choice for
   each token (what routing replay records), or None for a dense model.
   """
@@ -79,7 +82,15 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
     x, routing = post_attention(cfg, x, p, attn)
     return (x, pool), None if routing is None else routing.experts
 
-  (x, pool), experts = jax.lax.scan(body, (x, pool), (model.layers.stacked(), layer_ids(cfg)))
+  if layers is None:
+    (x, pool), experts = jax.lax.scan(body, (x, pool),
+                                      (model.layers.stacked(), layer_ids(cfg)))
+  else:
+    per_layer = []
+    for i, p in enumerate(layers):
+      (x, pool), routed = body((x, pool), (p, jnp.int32(i)))
+      per_layer.append(routed)
+    experts = None if per_layer[0] is None else jnp.stack(per_layer)
   if experts is not None:  # [L, B, T, k] -> [B, T, L, k]
     experts = jnp.moveaxis(experts, 0, 2)
   return x, pool, experts
@@ -161,7 +172,8 @@ def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
 
 
 def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
-                shared: SharedPrefix | None = None, layout: RolloutLayout | None = None):
+                shared: SharedPrefix | None = None, layout: RolloutLayout | None = None,
+                layers=None):
   """Feeds each row's next token at position `lengths` and returns next-token logits.
 
   Args:
@@ -176,6 +188,7 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
     shared: None for plain paged attention; else cascade attention over blocks of
       B // G rows that share these prompt pages (not for windowed models: cascade_refusal).
     layout: where the rows and pages live (default: one device).
+    layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
 
   Returns:
     (logits [B, V] float32, updated pool, the fed tokens' experts [B, L, k] int32 or None
@@ -184,7 +197,7 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
   attend = _decode_attention(layout, model.config, page_table, lengths, active, shared)
-  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend)
+  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers)
   return _final_logits(model, x[:, 0]), pool, None if experts is None else experts[:, 0]
 
 
@@ -212,7 +225,7 @@ def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows):
 
 
 def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
-                   layout: RolloutLayout | None = None):
+                   layout: RolloutLayout | None = None, layers=None):
   """Writes packed prompt chunks into their pages; logits after each chunk's last token.
 
   Args:
@@ -222,6 +235,7 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
       pages per row (see rollout.prefill_pack), shard-local page ids.
     last: [C] int32 flat index (row * T + column) of each chunk's last token.
     layout: where the rows and pages live (default: one device).
+    layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
 
   Returns:
     (logits [C, V] float32 after each chunk's last token, updated pool, each row token's
@@ -230,6 +244,6 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(rows.tokens)  # [B, T, D]
   attend = _prefill_attention(layout, model.config, rows)
-  x, pool, experts = _run_layers(model, pool, x, rows.positions, attend)
+  x, pool, experts = _run_layers(model, pool, x, rows.positions, attend, layers)
   ends = jnp.take(x.reshape(-1, x.shape[-1]), last, axis=0)  # [C, D]
   return _final_logits(model, ends), pool, experts

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.sharding import AXES
+from jaxrl_post.sharding.platform import mesh_platform
 
 
 def single_device_mesh(device: Optional[jax.Device] = None) -> Mesh:
@@ -42,17 +43,25 @@ class RolloutLayout:
   Attributes:
     mesh: the rollout mesh (axes jaxrl_post.sharding.AXES).
     kv_axis: "tensor" when the KV heads are split over it, else None (replicated).
+    split_layers: the engine holds one weight buffer per layer and its programs unroll
+      the layers (rollout.weights): what a GPU needs to read each layer's weights in place.
   """
 
   mesh: Mesh
   kv_axis: Optional[str]
+  split_layers: bool = False
 
   @classmethod
-  def build(cls, cfg: ModelConfig, mesh: Optional[Mesh] = None) -> "RolloutLayout":
+  def build(cls, cfg: ModelConfig, mesh: Optional[Mesh] = None,
+            split_layers: Optional[bool] = None) -> "RolloutLayout":
+    """split_layers None: split on a GPU mesh only (XLA:TPU reads stacked slices in place,
+    and on a CPU the unrolled programs would only compile slower)."""
     mesh = mesh if mesh is not None else single_device_mesh()
     tensor = mesh.shape["tensor"]
     split = tensor > 1 and cfg.num_kv_heads % tensor == 0
-    return cls(mesh, "tensor" if split else None)
+    if split_layers is None:
+      split_layers = mesh_platform(mesh) == "gpu"
+    return cls(mesh, "tensor" if split else None, bool(split_layers))
 
   @property
   def data_shards(self) -> int:
