@@ -54,7 +54,7 @@ class CascadeAttentionConfig:
   suffix: PagedAttentionConfig = PagedAttentionConfig()
 
 
-def _group_queries(q, num_groups, hkv):  # [G*K, Hq, D] -> [G, Hkv * K * Hq/Hkv, D]
+def group_queries(q, num_groups, hkv):  # [G*K, Hq, D] -> [G, Hkv * K * Hq/Hkv, D]
   """Stack a group's K samples per KV head so the kernel treats them as one head group."""
   b, hq, d = q.shape
   k = b // num_groups
@@ -62,8 +62,8 @@ def _group_queries(q, num_groups, hkv):  # [G*K, Hq, D] -> [G, Hkv * K * Hq/Hkv,
   return qg.reshape(num_groups, hkv * k * (hq // hkv), d)
 
 
-def _ungroup(x, num_groups, hkv, hq):  # [G, Hkv*K*G', ...] -> [G*K, Hq, ...]
-  """Inverse of _group_queries for outputs (with trailing D) and lse (without)."""
+def ungroup_queries(x, num_groups, hkv, hq):  # [G, Hkv*K*G', ...] -> [G*K, Hq, ...]
+  """Inverse of group_queries for outputs (with trailing D) and lse (without)."""
   tail = x.shape[2:]
   k = x.shape[1] // hq
   x = jnp.swapaxes(x.reshape(num_groups, hkv, k, hq // hkv, *tail), 1, 2)
@@ -87,11 +87,11 @@ def cascade_attention_parts(q, k_pages, v_pages, prefix_page_table, prefix_lengt
   _check(q, prefix_page_table, prefix_lengths, suffix_page_table, suffix_lengths)
   hq = q.shape[1]
   num_groups, hkv = prefix_page_table.shape[0], k_pages.shape[0]
-  qg = _group_queries(q, num_groups, hkv)
+  qg = group_queries(q, num_groups, hkv)
   pre_out, pre_lse = paged_attention_parts(
       qg, k_pages, v_pages, prefix_page_table, prefix_lengths, config.prefix)
-  pre_out = _ungroup(pre_out, num_groups, hkv, hq)  # [B, Hq, D]
-  pre_lse = _ungroup(pre_lse, num_groups, hkv, hq)  # [B, Hq]
+  pre_out = ungroup_queries(pre_out, num_groups, hkv, hq)  # [B, Hq, D]
+  pre_lse = ungroup_queries(pre_lse, num_groups, hkv, hq)  # [B, Hq]
   suf_out, suf_lse = paged_attention_parts(
       q, k_pages, v_pages, suffix_page_table, suffix_lengths, config.suffix)
   return merge_attention_parts(jnp.stack([pre_out, suf_out]),

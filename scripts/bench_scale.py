@@ -287,7 +287,7 @@ def compiled_shapes(steps: int, devices: int) -> dict[str, Any]:
           timer.stop()
     finally:
       run.close()
-  main_fns = ("_minibatch_update", "_decode_loop", "_prefill", "sequence_advantages")
+  main_fns = ("minibatch_update", "decode_loop", "prefill", "sequence_advantages")
   by_function = dict(counter.by_function.most_common())
   return {"value": counter.total, "steps": steps, "devices": devices,
           "step_programs": {k: v for k, v in by_function.items()

@@ -2,7 +2,7 @@
 # The GPU check in one command: gpu-marked tests, greedy engine vs the dense decoder on the
 # device, and the kernel, rollout, sync, step (tiny and 1B shapes), scale and generation
 # benchmarks. Every result lands in one dated JSON file (default
-# docs/gpu_check_YYYY-MM-DD.json; or the path in GPU_CHECK_OUT), with the device, date
+# docs/results/gpu_check_YYYY-MM-DD.json; or the path in GPU_CHECK_OUT), with the device, date
 # and versions; a failing part is recorded with its output tail and the others still run.
 #
 # Uses .venv/bin/python when it exists, else PYTHON (default python3) with this checkout
@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT_FILE=${GPU_CHECK_OUT:-docs/gpu_check_$(date +%F).json}
+OUT_FILE=${GPU_CHECK_OUT:-docs/results/gpu_check_$(date +%F).json}
 if [[ -n "${QUICK:-}" ]]; then
   PARTS=${PARTS:-"decode kernels step_1b plan_1b"}; BUDGET=${BUDGET_S:-330}
 else

@@ -14,33 +14,24 @@ choice asks `target_platform()`, which looks, innermost first, at
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
 
+from jaxrl_post.kernels.platform import mesh_platform, normalise, traced_platform
 from jaxrl_post.sharding.activations import active_mesh
+
+__all__ = ["ACCELERATORS", "context_platform", "mesh_platform", "on_accelerator",
+           "target_platform"]
 
 ACCELERATORS = ("gpu", "tpu")
 
 
-def mesh_platform(mesh: Union[Mesh, AbstractMesh]) -> str:
-  """"cpu", "gpu" or "tpu": the platform of `mesh`'s devices (abstract ones included)."""
-  if isinstance(mesh, AbstractMesh):
-    return _normalise(mesh.abstract_device.platform)
-  return _normalise(mesh.devices.flat[0].platform)
-
-
-def _normalise(platform: str) -> str:
-  # Devices report "cuda"/"rocm"; jax.default_backend() and our tables say "gpu".
-  return "gpu" if platform in ("cuda", "rocm") else platform
-
-
 def context_platform() -> Optional[str]:
   """The platform of the mesh in context while tracing (see module doc), else None."""
-  abstract = jax.sharding.get_abstract_mesh()
-  if not abstract.empty:
-    return mesh_platform(abstract)
+  traced = traced_platform()
+  if traced is not None:
+    return traced
   mesh = active_mesh()
   return None if mesh is None else mesh_platform(mesh)
 
@@ -48,7 +39,7 @@ def context_platform() -> Optional[str]:
 def target_platform() -> str:
   """The platform the program being traced runs on (the host's backend only as a last
   resort, when no mesh is in context)."""
-  return context_platform() or _normalise(jax.default_backend())
+  return context_platform() or normalise(jax.default_backend())
 
 
 def on_accelerator(platform: Optional[str] = None) -> bool:

@@ -63,3 +63,35 @@ def test_commands_start_without_libtpus_error_block_on_a_host_without_tpus(tmp_p
   if importlib.util.find_spec("libtpu") is not None:  # The block this prevents.
     bare = run("import jax; print(jax.devices()[0].platform)")
     assert "TPU" in bare.stderr
+
+
+def _package(path: str) -> str:
+  """The package a source file belongs to: jaxrl_post.<first folder>, kernels or sharding."""
+  rel = os.path.relpath(path, ROOT).split(os.sep)
+  return rel[0] if rel[0] != "jaxrl_post" else (rel[1] if len(rel) > 2 else "jaxrl_post")
+
+
+def test_no_module_reaches_into_another_packages_private_names():
+  """Packages meet through public names (what plan needs of the engine and the trainer is
+  a public seam of theirs), so a private helper can change without breaking a neighbour."""
+  import ast
+  found = []
+  for folder in ("jaxrl_post", "kernels", "sharding"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+      for name in (f for f in files if f.endswith(".py")):
+        path = os.path.join(dirpath, name)
+        mine, imported = _package(path), {}
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+          if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxrl_post."):
+            other = node.module.split(".")[1]
+            for alias in node.names:
+              imported[alias.asname or alias.name] = other
+              if alias.name.startswith("_") and other != mine:
+                found.append(f"{path}: from {node.module} import {alias.name}")
+        for node in ast.walk(tree):
+          if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+              and imported.get(node.value.id, mine) != mine):
+            found.append(f"{path}: {node.value.id}.{node.attr}")
+  assert not found, found

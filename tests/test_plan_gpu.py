@@ -38,9 +38,8 @@ mesh = Mesh(np.asarray([device], dtype=object).reshape((1,) * len(AXES)), AXES)
 out = {}
 for split in (False, True):
   layout = RolloutLayout.build(cfg, mesh, split)
-  args = memory._decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, mesh,
-                                 layout)
-  text = memory._lower_decode(cfg, *args, 4, layout, False).compile().as_text()
+  args = memory.decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
+  text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
   out["split" if split else "stacked"] = loop_launches(text)
 print(json.dumps(out))
 """

@@ -16,6 +16,7 @@ from jaxrl_post import plan
 from jaxrl_post.models import preset
 from jaxrl_post.plan import hlo_cost, report, targets
 from jaxrl_post.rl.trainer import TrainerConfig
+from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.sharding import MeshConfig, make_mesh
 from tests.tpu import tpu_devices
 
@@ -64,18 +65,17 @@ def test_cascade_decode_compiles_for_tpu_with_both_paged_kernel_parts():
   """Blocks of samples sharing their prompt's pages: the prefix and suffix parts of the
   cascade kernel are two paged Mosaic calls in each layer (plain decode has one)."""
   from jaxrl_post.rollout.attention import SharedPrefix
-  from jaxrl_post.rollout.engine import _decode_loop
 
   mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=1), tpu_devices("v5e:2x2"))
-  layout = plan.memory._engine_layout(CFG, mesh)
-  params, pool, state = plan.memory._decode_operands(CFG, 16, 64, 16, 16, "bfloat16",
-                                                     "bfloat16", 8, mesh, layout)
+  layout = RolloutLayout.build(CFG, mesh)
+  params, pool, state = plan.memory.decode_operands(CFG, 16, 64, 16, 16, "bfloat16",
+                                                    "bfloat16", 8, layout)
   blocks = 16 // 4
   shared = SharedPrefix(jax.ShapeDtypeStruct((blocks, 4), jnp.int32, sharding=layout.rows(2)),
                         jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=layout.rows(1)))
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    text = _decode_loop.lower(params, pool, state, shared, cfg=CFG, steps=2, layout=layout,
-                              truncation=False).compile().as_text()
+    text = plan.memory.lower_decode(CFG, params, pool, state, 2, layout, truncation=False,
+                                    shared=shared).compile().as_text()
   paged = [line for line in text.splitlines()
            if 'custom_call_target="tpu_custom_call"' in line and "paged_attention" in line]
   assert len(paged) == 2, len(paged)

@@ -190,15 +190,6 @@ def evaluate_episodes(runner: EpisodeRunner, tokenizer, env: Environment,
 
 
 def _at_k(env: Environment, groups: Sequence[Sequence[EpisodeRecord]]) -> dict[str, float]:
-  n = len(groups[0])
   solved = np.array([[e.solved for e in g] for g in groups])
-  out: dict[str, float] = {"eval/k_samples": n}
-  for k in at_k.ks_for(n):
-    out[f"eval/pass@{k}"] = float(np.mean([at_k.pass_at_k(n, int(row.sum()), k)
-                                            for row in solved]))
   answers = [[env.final_answer(e.turns[-1].reply) for e in g] for g in groups]
-  if any(a is not None for row in answers for a in row):
-    for k in at_k.ks_for(n):
-      out[f"eval/maj@{k}"] = float(np.mean([at_k.majority_solves(row[:k], list(s[:k]))
-                                            for row, s in zip(answers, solved)]))
-  return out
+  return at_k.metrics(solved, answers)

@@ -192,14 +192,16 @@ class RLRun:
         or not self.meshes.colocated):
       return cfg
     local = [d for d in self.meshes.rollout.devices.flat if d.process_index == jax.process_index()]
-    free = free_device_bytes(local[0])  # Memory stats exist only for this process's devices.
-    if free is None:
+    if free_device_bytes(local[0]) is None:  # Stats exist only for this process's devices.
       return cfg
     step = self.train_step_plan()
-    budget = plan.pool_bytes_beside_train_step(free, step, pool.memory_fraction)
-    self.log(f"kv pool: {budget / 1e9:.2f} GB per device beside a train step peaking at "
+    self.log(f"kv pool: {pool.memory_fraction:.2f} of the memory free beside the weights, "
+             f"{step.transient_bytes / 1e9:.2f} GB left to a train step peaking at "
              f"{step.peak_bytes / 1e9:.2f} GB")
-    return dataclasses.replace(cfg, pool=dataclasses.replace(pool, memory_bytes=budget))
+    # The engine sizes the pool once its own weights are in place (rollout.pages.pool_pages,
+    # the rule the planner predicts with).
+    return dataclasses.replace(cfg, pool=dataclasses.replace(
+        pool, reserved_bytes=pool.reserved_bytes + step.transient_bytes))
 
   def train_step_plan(self):
     """The train step compiled on abstract inputs of the largest micro-batch (its memory
@@ -252,6 +254,12 @@ class RLRun:
     return rollouts.flatten(groups)
 
   def _sample(self, step: int, timer: StepTimer) -> tuple[dynamic.Drawn, dynamic.Drawn, dict]:
+    """The step's batch: drawn here (an asynchronous run takes it from its rollout
+    thread instead, which draws it with `sample_batch`)."""
+    return self.sample_batch(step, timer)
+
+  def sample_batch(self, step: int,
+                   timer: StepTimer) -> tuple[dynamic.Drawn, dynamic.Drawn, dict]:
     """(training batch, every group drawn, counts): one rollout round, or with dynamic
     sampling as many as it takes to replace the groups whose rewards do not vary."""
     draw = lambda round_: self._draw(step, round_, timer)

@@ -163,7 +163,7 @@ class _Ahead:
         engine.set_weights(params, version)
       timer.start()
       self.swaps = 0
-      batch, drawn, metrics = RLRun._sample(self.run, step, timer)
+      batch, drawn, metrics = self.run.sample_batch(step, timer)
       metrics["async/weight_swaps"] = self.swaps  # In-flight updates within this batch.
       roles = timer.stop()
     return _Drawn(step, version, batch, drawn, metrics, roles["time/step"])

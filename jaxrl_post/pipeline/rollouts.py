@@ -205,14 +205,6 @@ def _at_k(task: Task, tokenizer: Tokenizer, groups: Sequence[Group], correct: np
           stats: VerifierStats) -> dict[str, float]:
   n = len(groups[0].completions)
   solved = correct.reshape(len(groups), n) >= 1.0 - 1e-6  # A problem solved, not credit.
-  out: dict[str, float] = {"eval/k_samples": n, "eval/k_timeouts": stats.timeouts}
-  for k in at_k.ks_for(n):
-    out[f"eval/pass@{k}"] = float(np.mean([at_k.pass_at_k(n, int(row.sum()), k)
-                                            for row in solved]))
   answers = [[at_k.final_answer(task, tokenizer.decode(c.tokens, skip_special_tokens=True))
               for c in g.completions] for g in groups]
-  if any(a is not None for row in answers for a in row):  # The task says what answers are.
-    for k in at_k.ks_for(n):
-      out[f"eval/maj@{k}"] = float(np.mean([at_k.majority_solves(row[:k], s[:k])
-                                            for row, s in zip(answers, solved)]))
-  return out
+  return {**at_k.metrics(solved, answers), "eval/k_timeouts": stats.timeouts}

@@ -2,9 +2,10 @@
 
 `memory` compiles single programs on abstract arrays and reads XLA's memory analysis;
 `targets` names the hardware (local devices, TPU slices through libtpu's compile-only
-topologies, GPU nodes); `programs` compiles a run's own programs for a target; `cost`
-turns their FLOPs and bytes into predicted seconds; `report` prints the verdict. The CLI
-is `python -m jaxrl_post.plan`.
+topologies, GPU nodes); `programs` compiles a run's own programs for a target;
+`hlo_cost` reads their FLOPs, bytes and launches from the compiled text, loops counted;
+`buffers` names their largest allocations; `report` turns all of it into predicted
+seconds and the verdict. The CLI is `python -m jaxrl_post.plan`.
 """
 
 from jaxrl_post.plan.memory import (GB, Allocation, CompiledMemory, PoolPlan, TrainStepMemory,

@@ -90,16 +90,19 @@ def run(argv: Sequence[str]) -> int:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     return _out_of_memory(args, target, len(devices), str(e))
+  stats = True  # A target's memory is known; a local device may report none (the CPU).
   if target.chip is None:  # A known accelerator's published peaks: a short benchmark on a
     # GPU times its launches, not its peaks (an H100 measured 10 TFLOP/s and 0.96 TB/s).
     known = targets.chip_of_kind(devices[0].device_kind)
     peaks = ((known.bf16_flops_per_s, known.hbm_bytes_per_s) if known
              else measured_peaks(devices))
-    chip = report.local_chip(devices, *peaks, programs.local_chip_memory(devices))
+    capacity = programs.local_chip_memory(devices)
+    chip, stats = report.local_chip(devices, *peaks, capacity), capacity is not None
   else:
     share = target.chips / len(devices)  # a v4 chip shows as two devices
     chip = target.chip if share == 1 else _per_device(target.chip, share)
-  plan = report.build(compiled, target, chip, exp, len(devices), found.compiled_for)
+  plan = report.build(compiled, target, chip, exp, len(devices), found.compiled_for,
+                      memory_stats=stats)
   if args.json:
     print(json.dumps(plan.as_json()))  # one line: scripts keep the last line
   else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import math
 import tempfile
 from typing import Optional
@@ -37,7 +36,7 @@ from jaxrl_post.rl.forward import PackedInputs
 from jaxrl_post.rl.packing import bucket
 from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerConfig,
                                    TrainState, optimizer_state_shardings)
-from jaxrl_post.rollout.pages import page_bytes
+from jaxrl_post.rollout.pages import PoolConfig, page_bytes, pool_budget
 from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
                                  logical_to_spec, make_mesh, mesh_platform, tree_shardings)
 
@@ -114,6 +113,18 @@ class TrainStepMemory:
   @property
   def peak_bytes(self) -> int:
     return self.compiled.peak_bytes
+
+  @property
+  def resident_bytes(self) -> int:
+    """What lives on the device for the whole run: the state and the reference."""
+    return (self.params_bytes + self.frozen_bytes + self.opt_state_bytes +
+            self.reference_bytes)
+
+  @property
+  def transient_bytes(self) -> int:
+    """What the step adds on top of the resident state while it runs (activations,
+    gradients, outputs not written in place, the batch): a colocated KV pool leaves it."""
+    return max(self.peak_bytes - self.resident_bytes, 0)
 
   @property
   def gradient_bytes(self) -> int:
@@ -293,10 +304,10 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
   """
   rules = getattr(trainer, "rules", TRAINING_RULES)
 
-  @functools.wraps(trainer._minibatch_update)
+  @functools.wraps(trainer.minibatch_update)
   def traced(*args, **kwargs):
     with activation_rules(rules, trainer.mesh):
-      return trainer._minibatch_update(*args, **kwargs)
+      return trainer.minibatch_update(*args, **kwargs)
 
   step = jax.jit(traced, donate_argnums=0, out_shardings=(_state_shardings(state), None, None))
   n = batch.sequence.shape[1] * batch.sequence.shape[0]
@@ -450,11 +461,13 @@ def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes
   """
   if not 0.0 < fraction <= 1.0:
     raise UserError(f"kv pool plan: fraction must be in (0, 1], got {fraction}")
-  one_page = page_bytes(model_cfg, page_size, kv_dtype) // kv_head_shards(model_cfg,
-                                                                          tensor_shards)
+  shards = kv_head_shards(model_cfg, tensor_shards)
+  one_page = page_bytes(model_cfg, page_size, kv_dtype) // shards
   left = device_bytes - train_peak_bytes - other_bytes
-  budget = int(fraction * max(left, 0))
-  pages = budget // one_page
+  pool = PoolConfig(page_size=page_size, memory_fraction=fraction)
+  free = device_bytes - other_bytes  # The engine's rule (rollout.pages.pool_pages).
+  budget = pool_budget(pool, free, train_peak_bytes)
+  pages = budget * shards // page_bytes(model_cfg, page_size, kv_dtype)
   if pages < 2:
     raise UserError(
         f"kv pool plan: nothing left for the KV pool: the device has {device_bytes / GB:.2f} "
@@ -474,60 +487,37 @@ def pool_bytes_beside_train_step(free_bytes: int, step: TrainStepMemory,
   runs (activations, gradients, outputs not written in place, the batch) must stay free
   for the whole run.
   """
-  resident = (step.params_bytes + step.frozen_bytes + step.opt_state_bytes +
-              step.reference_bytes)
-  transient = max(step.peak_bytes - resident, 0)
-  return int(fraction * max(free_bytes - transient, 0))
+  return pool_budget(PoolConfig(memory_fraction=fraction), free_bytes, step.transient_bytes)
 
 
 # ------------------------------------------------------------------------ decode loop
-#
-# Only `_decode_operands` and `_lower_decode` know the engine's `_decode_loop` signature:
-# `(params, pool, state, shared, *, cfg, steps)` on one device, plus `layout=` (a
-# rollout.layout.RolloutLayout) once the engine runs on a mesh. Both are handled, picked by
-# the signature, so a change there touches these two functions and nothing else.
 
 
-def _engine_layout(model_cfg: ModelConfig, mesh: Optional[Mesh]):
-  """The engine's RolloutLayout for `mesh`, or None where the engine has no layouts."""
-  from jaxrl_post.rollout.engine import _decode_loop
-  if "layout" not in inspect.signature(_decode_loop).parameters:
-    return None
-  from jaxrl_post.rollout.layout import RolloutLayout
-  return RolloutLayout.build(model_cfg, mesh)
+def decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
+                    page_size: int, table_pages: int, kv_dtype, weight_dtype,
+                    max_stop_ids: int, layout):
+  """Abstract (params, pool, slot state) as the engine passes them to its decode loop
+  (rollout.programs.decode_loop) on `layout` (a rollout.layout.RolloutLayout).
 
-
-def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
-                     page_size: int, table_pages: int, kv_dtype, weight_dtype,
-                     max_stop_ids: int, mesh: Optional[Mesh], layout):
-  """Abstract (params, pool, slot state) as the engine passes them to `_decode_loop`.
-
-  With a layout the pool is [Hkv, L, D * P, page, hd] sharded over (tensor, -, data) and
-  the slots over "data"; without one everything sits on one device (`mesh` ignored).
+  The pool is [Hkv, L, D * P, page, hd] sharded over (tensor, -, data) and the slots over
+  "data"; the weights are in the engine's form for the layout (rollout.weights).
   """
-  from jaxrl_post.rollout.engine import SlotState
   from jaxrl_post.rollout.pages import KVPool
+  from jaxrl_post.rollout.programs import SlotState
   from jaxrl_post.rollout.weights import abstract_split
 
   model = abstract_model(model_cfg)
   shapes = params_of(model)
-  wdt = jnp.dtype(weight_dtype)
-  if layout is None:
-    mesh, shards = single_device_mesh(), 1
-    pool_sharding = rows = lambda ndim: NamedSharding(mesh, PartitionSpec())
-  else:
-    mesh, shards = layout.mesh, layout.data_shards
-    pool_sharding = lambda ndim: layout.sharding(layout.pool_spec)
-    rows = layout.rows
-  params = _abstract(shapes, tree_shardings(logical_axes(model), shapes, ROLLOUT_RULES, mesh),
-                     wdt)
-  if layout is not None and layout.split_layers:  # The engine's per-layer copy (GPU).
+  shardings = tree_shardings(logical_axes(model), shapes, ROLLOUT_RULES, layout.mesh)
+  params = _abstract(shapes, shardings, jnp.dtype(weight_dtype))
+  if layout.split_layers:  # The engine's per-layer copy (GPU).
     params = abstract_split(params, model_cfg.num_layers)
-  pool_shape = (model_cfg.num_kv_heads, model_cfg.num_layers, shards * pages_per_shard,
-                page_size, model_cfg.head_dim)
-  kv = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(kv_dtype), sharding=pool_sharding(5))
+  pool_shape = (model_cfg.num_kv_heads, model_cfg.num_layers,
+                layout.data_shards * pages_per_shard, page_size, model_cfg.head_dim)
+  kv = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(kv_dtype),
+                            sharding=layout.sharding(layout.pool_spec))
   vec = lambda dtype, *tail: jax.ShapeDtypeStruct((num_slots, *tail), dtype,
-                                                  sharding=rows(1 + len(tail)))
+                                                  sharding=layout.rows(1 + len(tail)))
   state = SlotState(tokens=vec(jnp.int32), lengths=vec(jnp.int32),
                     num_generated=vec(jnp.int32), max_tokens=vec(jnp.int32),
                     active=vec(jnp.bool_), page_table=vec(jnp.int32, table_pages),
@@ -537,12 +527,13 @@ def _decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: in
   return params, KVPool(kv, kv), state
 
 
-def _lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout,
-                  truncation: bool = True):
-  from jaxrl_post.rollout.engine import _decode_loop
-  extra = {} if layout is None else {"layout": layout}
-  return _decode_loop.lower(params, pool, state, None, cfg=model_cfg, steps=steps,
-                            truncation=truncation, **extra)
+def lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout,
+                 truncation: bool = True, shared=None):
+  """The engine's decode loop lowered on `decode_operands`' arguments (`shared`: cascade
+  attention's block prefixes, None for plain paged attention)."""
+  from jaxrl_post.rollout.programs import decode_loop
+  return decode_loop.lower(params, pool, state, shared, cfg=model_cfg, steps=steps,
+                           truncation=truncation, layout=layout)
 
 
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
@@ -565,12 +556,13 @@ def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: 
     kv_dtype: the pool's dtype.
     weight_dtype: the rollout weights' dtype.
     max_stop_ids: stop ids per slot.
-    mesh: the rollout mesh (None: one device). Used only by an engine that takes a layout.
+    mesh: the rollout mesh (None: one device).
     analyse: also read the loop's cost and kernels (see compiled_memory).
   """
-  layout = _engine_layout(model_cfg, mesh)
-  params, pool, state = _decode_operands(model_cfg, num_slots, pages_per_shard, page_size,
-                                         table_pages, kv_dtype, weight_dtype, max_stop_ids,
-                                         mesh, layout)
-  return compiled_memory(_lower_decode(model_cfg, params, pool, state, steps,
-                                       layout).compile(), analyse)
+  from jaxrl_post.rollout.layout import RolloutLayout
+  layout = RolloutLayout.build(model_cfg, mesh)
+  params, pool, state = decode_operands(model_cfg, num_slots, pages_per_shard, page_size,
+                                        table_pages, kv_dtype, weight_dtype, max_stop_ids,
+                                        layout)
+  return compiled_memory(lower_decode(model_cfg, params, pool, state, steps,
+                                      layout).compile(), analyse)

@@ -125,13 +125,12 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   wdt = exp.sync.rollout_dtype
   pages = 1 + (s.num_slots // layout.data_shards) * s.table_pages  # the sink page too
-  params, pool, state = memory._decode_operands(cfg, s.num_slots, pages, s.page_size,
-                                                s.table_pages, kv_dtype, wdt,
-                                                exp.rollout.engine.max_stop_ids,
-                                                meshes.rollout, layout)
+  params, pool, state = memory.decode_operands(cfg, s.num_slots, pages, s.page_size,
+                                               s.table_pages, kv_dtype, wdt,
+                                               exp.rollout.engine.max_stop_ids, layout)
   steps = exp.rollout.engine.decode_steps
   r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
-  decode = compiled_memory(memory._lower_decode(cfg, params, pool, state, steps, layout,
+  decode = compiled_memory(memory.lower_decode(cfg, params, pool, state, steps, layout,
                                                 r.top_k > 0 or r.top_p < 1).compile(), analyse=True)
   prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile(), analyse=True)
   sync, sync_bytes = _compile_sync(exp, cfg, meshes)
@@ -161,7 +160,7 @@ def _decode_weight_bytes(cfg: ModelConfig, params) -> int:
 def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLayout):
   """One packed prefill call: R rows of W tokens per data shard, each row reading the
   key pages of its chunks (at most its own pages plus one chunk's overhang)."""
-  from jaxrl_post.rollout.engine import _prefill
+  from jaxrl_post.rollout.programs import prefill
   from jaxrl_post.rollout.prefill_pack import PackedRows
 
   rows = layout.data_shards * s.prefill_rows
@@ -172,7 +171,7 @@ def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLay
                       key_pages=grid(key_pages), key_segments=grid(key_pages),
                       key_starts=grid(key_pages))
   last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=layout.replicated)
-  return _prefill.lower(params, pool, packed, last, cfg=cfg, layout=layout)
+  return prefill.lower(params, pool, packed, last, cfg=cfg, layout=layout)
 
 
 def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes) -> tuple[CompiledMemory, int]:

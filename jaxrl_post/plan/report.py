@@ -15,9 +15,11 @@ import math
 import os
 from typing import Optional
 
-from jaxrl_post.plan.memory import GB, CompiledMemory
+from jaxrl_post.errors import UserError
+from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
+from jaxrl_post.rollout.pages import page_bytes, pool_pages
 
 PAYLOAD_BYTES_PER_TOKEN = 12  # token id, behaviour logprob, weight version (4 bytes each)
 
@@ -80,21 +82,31 @@ class _Memory:
   kv_bytes: int  # the pool those tokens take
 
 
-def _memory_plan(p: Programs, exp, capacity: float, memory_fraction: float) -> _Memory:
+def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   """What each phase holds at once. Colocated, the train state and reference stay
-  resident while the engine runs, and the rollout weights and pool while training does."""
+  resident while the engine runs, and the rollout weights and pool while training does.
+
+  The pool is what the run allocates: rollout.pages.pool_pages on the memory free once
+  the state and the rollout weights are in place, the train step's transient memory left
+  aside (capacity None: a device without memory stats, which takes the fallback budget).
+  """
   s, cfg, train = p.shapes, p.model, p.train
-  tensor = p.meshes.rollout.shape["tensor"]
-  kv_heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else cfg.num_kv_heads
-  kv_per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * _itemsize(
-      exp.rollout.engine.kv_dtype or cfg.compute_dtype)
-  kv_needed = s.num_slots // p.meshes.rollout.shape["data"] * s.table_pages * s.page_size
+  tensor, data = p.meshes.rollout.shape["tensor"], p.meshes.rollout.shape["data"]
+  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  kv_shards = kv_head_shards(cfg, tensor)
+  kv_per_token = page_bytes(cfg, 1, kv_dtype) // kv_shards
+  kv_needed = s.num_slots // data * s.table_pages * s.page_size
   kv_bytes = (kv_needed + s.page_size) * kv_per_token  # the sink page too
   colocated = p.meshes.colocated
-  left = capacity - (train.peak_bytes if colocated else 0) - p.rollout_weight_bytes
-  kv_pages = int(memory_fraction * max(left, 0)) // (s.page_size * kv_per_token)
-  resident = train.params_bytes + train.frozen_bytes + train.opt_state_bytes
-  other = resident + train.reference_bytes if colocated else 0
+  resident = train.resident_bytes if colocated else 0
+  free = None if capacity is None else capacity - resident - p.rollout_weight_bytes
+  try:
+    kv_pages = pool_pages(exp.rollout.engine.pool, cfg, kv_dtype, free, kv_shards=kv_shards,
+                          data_shards=data,
+                          reserved_bytes=train.transient_bytes if colocated else 0)
+  except UserError:  # Fewer than two pages fit: the verdict says so.
+    kv_pages = 0
+  other = resident if colocated else 0
   phases = {
       "train": train.peak_bytes + (p.rollout_weight_bytes + kv_bytes if colocated else 0),
       "prefill": p.prefill.peak_bytes + other,
@@ -124,10 +136,10 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
 
 
 def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
-          compiled_for: str = "target", memory_fraction: float = 0.9) -> Plan:
+          compiled_for: str = "target", memory_stats: bool = True) -> Plan:
   """The Plan of compiled `programs` on `chip` (per device: a chip or a share of one)."""
   p, s, train = programs, programs.shapes, programs.train
-  mem = _memory_plan(p, exp, chip.hbm_bytes, memory_fraction)
+  mem = _memory_plan(p, exp, chip.hbm_bytes if memory_stats else None)
   peak = max(mem.phases.values())
   fits = peak <= chip.hbm_bytes and mem.kv_pages * s.page_size >= mem.kv_needed
   terms, calls = _roofline(p, exp, chip)

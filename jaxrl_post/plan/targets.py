@@ -8,9 +8,8 @@ present, and XLA:GPU and Triton compile for it. Without the plugin a GPU target 
 from the host backend's programs over as many fake devices, with the GPU's memory and
 peaks, and the report says so (`Devices.compiled_for`).
 
-Published per-chip figures (vendors' spec sheets): HBM capacity and bandwidth, dense
-bfloat16 FLOP/s, and the interconnect a collective between chips uses (ICI for TPU,
-NVLink for GPU), one direction.
+The chips' published figures live in one table, jaxrl_post.telemetry.peaks (CHIPS),
+which the run's telemetry reads too.
 """
 
 from __future__ import annotations
@@ -24,21 +23,22 @@ from typing import Optional
 
 from jaxrl_post import _libtpu
 from jaxrl_post.errors import UserError
+from jaxrl_post.telemetry.peaks import CHIPS, Chip, chip_of_kind  # noqa: F401  (the table)
 
-GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
   """What XLA:GPU needs to know of a GPU to compile for it without one (its
-  GpuTargetConfig): compute capability, SMs, memory, caches, clock."""
+  GpuTargetConfig) beyond its published figures (CHIPS): compute capability, SMs, the
+  memory the driver reports, caches, clock."""
 
+  chip: str  # its CHIPS entry, for the HBM bandwidth
   description: str
   major: int
   minor: int
   sms: int
   memory_bytes: int
-  bandwidth: float
   l2_bytes: int
   clock_ghz: float
   smem_per_sm: int
@@ -46,11 +46,11 @@ class GpuSpec:
 
 
 GPU_SPECS = {
-    "h100": GpuSpec("NVIDIA H100 80GB HBM3", 9, 0, 132, 84929347584, 3.35e12, 52428800, 1.98,
+    "h100": GpuSpec("h100", "NVIDIA H100 80GB HBM3", 9, 0, 132, 84929347584, 52428800, 1.98,
                     233472, 232448),
-    "h200": GpuSpec("NVIDIA H200", 9, 0, 132, 150754820096, 4.8e12, 62914560, 1.98,
+    "h200": GpuSpec("h200", "NVIDIA H200", 9, 0, 132, 150754820096, 62914560, 1.98,
                     233472, 232448),
-    "a100": GpuSpec("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85899345920, 2.039e12, 41943040,
+    "a100": GpuSpec("a100", "NVIDIA A100-SXM4-80GB", 8, 0, 108, 85899345920, 41943040,
                     1.41, 167936, 166912),
 }
 
@@ -62,7 +62,7 @@ def gpu_target_config(spec: GpuSpec) -> str:
   shared_memory_per_core: {spec.smem_per_sm} threads_per_core_limit: 2048
   core_count: {spec.sms} fpus_per_core: 128 block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: {int(spec.bandwidth)} l2_cache_size: {spec.l2_bytes}
+  memory_bandwidth: {int(CHIPS[spec.chip].hbm_bytes_per_s)} l2_cache_size: {spec.l2_bytes}
   clock_rate_ghz: {spec.clock_ghz} device_memory_size: {spec.memory_bytes}
   shared_memory_per_block_optin: {spec.smem_optin}
   cuda_compute_capability {{ major: {spec.major} minor: {spec.minor} }}
@@ -73,52 +73,6 @@ dnn_version_info {{ major: 9 minor: 7 }}
 runtime_version {{ major: 13 minor: 0 patch: 0 }}
 device_description_str: "{spec.description}"
 """
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """One accelerator's published figures (per chip; a v4/v5p chip is one megacore device).
-
-  Attributes:
-    name: "v5e", "h100", ...
-    platform: "tpu" or "gpu".
-    hbm_bytes: memory capacity.
-    hbm_bytes_per_s: memory bandwidth.
-    bf16_flops_per_s: dense bfloat16 peak.
-    link_bytes_per_s: chip-to-chip bandwidth a collective uses, one direction.
-    topology_prefix: libtpu's topology name prefix ("v5e", "v5p", ...); GPUs: "".
-  """
-
-  name: str
-  platform: str
-  hbm_bytes: float
-  hbm_bytes_per_s: float
-  bf16_flops_per_s: float
-  link_bytes_per_s: float
-  topology_prefix: str = ""
-
-
-CHIPS = {
-    "v4": Chip("v4", "tpu", 32 * GB, 1.2e12, 275e12, 6 * 50e9, "v4"),
-    "v5e": Chip("v5e", "tpu", 16 * GB, 0.819e12, 197e12, 4 * 50e9, "v5e"),
-    "v5p": Chip("v5p", "tpu", 95 * GB, 2.765e12, 459e12, 6 * 100e9, "v5p"),
-    "v6e": Chip("v6e", "tpu", 32 * GB, 1.64e12, 918e12, 4 * 112e9, "v6e"),
-    "h100": Chip("h100", "gpu", 80 * GB, 3.35e12, 989e12, 450e9),
-    "h200": Chip("h200", "gpu", 141 * GB, 4.8e12, 989e12, 450e9),
-    "a100": Chip("a100", "gpu", 80 * GB, 2.039e12, 312e12, 300e9),
-}
-
-# Device kinds (as jax reports them) of the chips above, lower-cased, most specific first.
-_KINDS = (("h100 pcie", None), ("h100", "h100"), ("h200", "h200"), ("a100", "a100"),
-          ("v5 lite", "v5e"), ("v5e", "v5e"), ("v6 lite", "v6e"), ("v6e", "v6e"),
-          ("v5p", "v5p"), ("v4", "v4"))
-
-
-def chip_of_kind(device_kind: str) -> Optional[Chip]:
-  """The published figures of a local accelerator ("NVIDIA H100 80GB HBM3", "TPU v5p"), or
-  None for a kind not in the table (a variant with other peaks, or a CPU)."""
-  kind = device_kind.lower()
-  return next(((CHIPS[name] if name else None) for key, name in _KINDS if key in kind), None)
 
 
 # Slice name -> chips. v4 and v5p names count TensorCores, two per chip (v5p-8 is 4 chips);

@@ -50,3 +50,19 @@ def ks_for(n: int) -> list[int]:
     out.append(k)
     k *= 2
   return out + [n]
+
+
+def metrics(solved: np.ndarray, answers: Sequence[Sequence[Optional[str]]]) -> dict[str, float]:
+  """eval/pass@k for every k of ks_for(n), and eval/maj@k where any answer is known.
+
+  solved [problems, n] bool; answers [problems][n] each sample's final answer (None: none).
+  """
+  n = solved.shape[1]
+  out: dict[str, float] = {"eval/k_samples": n}
+  for k in ks_for(n):
+    out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, int(row.sum()), k) for row in solved]))
+  if any(a is not None for row in answers for a in row):  # The task says what answers are.
+    for k in ks_for(n):
+      out[f"eval/maj@{k}"] = float(np.mean([majority_solves(row[:k], list(s[:k]))
+                                            for row, s in zip(answers, solved)]))
+  return out

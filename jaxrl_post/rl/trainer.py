@@ -258,7 +258,7 @@ class Trainer:
       # Metrics replicated (small, and every process can read them); the old policy of
       # later minibatches split like their batches.
       out = {"out_shardings": (placed, self._replicated, self._batch_sharding)}
-    self._update = self._jit(self._minibatch_update, donate_argnums=0, **out)
+    self._update = self._jit(self.minibatch_update, donate_argnums=0, **out)
     return state
 
   def full_params(self, state: TrainState) -> dict:
@@ -361,9 +361,9 @@ class Trainer:
         per_token["logp_other"] = jax.lax.stop_gradient(other)
     return loss, per_token
 
-  def _minibatch_update(self, state: TrainState, ref_params: Optional[dict],
-                        batch: StepBatch, scores: SequenceScores, old: Optional[OldPolicy],
-                        later: tuple[PackedInputs, ...]):
+  def minibatch_update(self, state: TrainState, ref_params: Optional[dict],
+                       batch: StepBatch, scores: SequenceScores, old: Optional[OldPolicy],
+                       later: tuple[PackedInputs, ...]):
     """One optimizer step on a minibatch, with every pass it needs, as one program.
 
     Reference logprobs (from `ref_params`, or the LoRA base when None), the normaliser,

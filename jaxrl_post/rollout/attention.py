@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_post.kernels import cascade_attention, paged_attention
-from jaxrl_post.kernels.cascade_attention import _group_queries, _ungroup
+from jaxrl_post.kernels.cascade_attention import group_queries, ungroup_queries
 from jaxrl_post.kernels.paged_attention import kernel_supports, merge_attention_parts
 from jaxrl_post.models import layers as L
 from jaxrl_post.rollout.pages import cdiv
@@ -247,10 +247,10 @@ def _jnp_cascade(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengths)
   groups, hkv = shared.table.shape[0], k_pool.shape[0]
   # A block's K queries stacked per KV head: one [K * Hq/Hkv, D] query group reads the
   # block's prefix keys once, as the kernel does.
-  qg = _group_queries(q, groups, hkv)  # [G, Hkv * K * Hq/Hkv, D]
+  qg = group_queries(q, groups, hkv)  # [G, Hkv * K * Hq/Hkv, D]
   pre_out, pre_lse = _masked_part(qg, k_pool, v_pool, layer, shared.table, shared.lengths)
-  pre_out = _ungroup(pre_out, groups, hkv, hq)  # [B, Hq, D]
-  pre_lse = _ungroup(pre_lse, groups, hkv, hq)  # [B, Hq]
+  pre_out = ungroup_queries(pre_out, groups, hkv, hq)  # [B, Hq, D]
+  pre_lse = ungroup_queries(pre_lse, groups, hkv, hq)  # [B, Hq]
   suf_out, suf_lse = _masked_part(q, k_pool, v_pool, layer, suffix_table, suffix_lengths)
   out, _ = merge_attention_parts(jnp.stack([pre_out, suf_out]), jnp.stack([pre_lse, suf_lse]))
   return out.astype(q.dtype)

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.sharding import AXES
 from jaxrl_post.sharding.platform import mesh_platform
@@ -75,10 +74,6 @@ class RolloutLayout:
     return next((d for d in self.mesh.devices.flat if d.process_index == jax.process_index()),
                 jax.local_devices()[0])
 
-  @property
-  def multi_process(self) -> bool:
-    return len({d.process_index for d in self.mesh.devices.flat}) > 1
-
   # ---------------------------------------------------------------- specs
 
   @property
@@ -119,11 +114,6 @@ class RolloutLayout:
     """fn run per device on its shards (page ids in the tables are shard-local)."""
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-
-  def check_slots(self, num_slots: int, block: int) -> None:
-    if num_slots % (self.data_shards * block):
-      raise UserError(f"engine config: num_slots={num_slots} is not a multiple of "
-                      f"{self.data_shards} data shards x {block} slots per block")
 
 
 def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -49,6 +49,9 @@ class PoolConfig:
     memory_fraction: a share of the device memory still free, from device.memory_stats().
     fallback_bytes: the whole pool's budget where a backend reports no memory stats (the
       CPU, whose devices share the host's memory).
+    reserved_bytes: device memory left free before memory_fraction is taken: what a
+      colocated train step adds while it runs (the training loop sets it from the step's
+      compiled peak).
   """
 
   page_size: int = 16
@@ -56,6 +59,7 @@ class PoolConfig:
   memory_bytes: int | None = None
   memory_fraction: float = 0.8
   fallback_bytes: int = 1 << 30
+  reserved_bytes: int = 0
 
   def __post_init__(self):
     if self.page_size < 1:
@@ -63,6 +67,8 @@ class PoolConfig:
     if self.num_pages is not None and self.num_pages < 2:
       raise UserError(f"pool config: num_pages must be >= 2 (page 0 is reserved), "
                       f"got {self.num_pages}")
+    if self.reserved_bytes < 0:
+      raise UserError(f"pool config: reserved_bytes must be >= 0, got {self.reserved_bytes}")
     if not 0.0 < self.memory_fraction <= 1.0:
       raise UserError(f"pool config: memory_fraction must be in (0, 1], "
                       f"got {self.memory_fraction}")
@@ -94,30 +100,50 @@ def free_device_bytes(device) -> int | None:
   return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None,
-                      kv_shards: int = 1, data_shards: int = 1) -> int:
-  """The page count, per data shard, a PoolConfig asks for on `device` (default: the first
-  device).
+def pool_budget(pool: PoolConfig, free_bytes: int | None, reserved_bytes: int = 0):
+  """Bytes of KV a PoolConfig asks for on one device (None: the backend reports no free
+  memory): memory_bytes if set, else memory_fraction of what is free once
+  pool.reserved_bytes and `reserved_bytes` (what a colocated train step adds while it
+  runs) are set aside."""
+  if pool.memory_bytes is not None:
+    return pool.memory_bytes
+  if free_bytes is None:
+    return None
+  reserved = reserved_bytes + pool.reserved_bytes
+  return int(pool.memory_fraction * max(free_bytes - reserved, 0))
 
+
+def pool_pages(pool: PoolConfig, cfg: ModelConfig, dtype, free_bytes: int | None, *,
+               kv_shards: int = 1, data_shards: int = 1, reserved_bytes: int = 0) -> int:
+  """The page count, per data shard, of a pool: the one sizing rule the engine allocates
+  by and the planner predicts with (jaxrl_post.plan), so the two agree.
+
+  free_bytes: what the device has free before the pool (None: no memory stats).
   kv_shards: how many devices split the KV heads, so a device holds 1/kv_shards of a page.
   data_shards: how many data shards each hold that many pages. A backend without memory
     stats (the CPU) has one memory for all its devices, so its fallback budget is for the
     whole pool and is split between the shards.
+  reserved_bytes: left free beside pool.reserved_bytes (see pool_budget).
   """
   if pool.num_pages is not None:
     return pool.num_pages
-  budget = pool.memory_bytes
+  budget = pool_budget(pool, free_bytes, reserved_bytes)
   if budget is None:
-    free = free_device_bytes(device or jax.devices()[0])
-    if free is None:
-      budget = pool.fallback_bytes // (data_shards * kv_shards)
-    else:
-      budget = int(pool.memory_fraction * free)
+    budget = pool.fallback_bytes // (data_shards * kv_shards)
   n = budget * kv_shards // page_bytes(cfg, pool.page_size, dtype)
   if n < 2:
     raise UserError(f"pool config: a budget of {budget} bytes holds {n} KV pages of "
                     f"{pool.page_size} tokens; at least 2 are needed")
   return int(n)
+
+
+def resolve_num_pages(pool: PoolConfig, cfg: ModelConfig, dtype, device=None,
+                      kv_shards: int = 1, data_shards: int = 1) -> int:
+  """pool_pages on `device` (default: the first device), with its free memory now."""
+  free = None
+  if pool.num_pages is None and pool.memory_bytes is None:
+    free = free_device_bytes(device or jax.devices()[0])
+  return pool_pages(pool, cfg, dtype, free, kv_shards=kv_shards, data_shards=data_shards)
 
 
 class KVPool(NamedTuple):

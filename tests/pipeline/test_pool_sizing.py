@@ -1,9 +1,15 @@
-"""The KV pool of a colocated run is sized after the train step's compiled peak."""
+"""The KV pool of a colocated run is sized after the train step's compiled peak, by the
+rule the planner predicts it with."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 
 from jaxrl_post import plan, train
 from jaxrl_post.pipeline import loop
+from jaxrl_post.rollout.pages import pool_budget
 from tests.pipeline.test_train import _argv
 
 MB = 1 << 20
@@ -37,6 +43,42 @@ def test_a_run_on_a_device_with_memory_stats_sizes_its_pool_after_the_train_step
   with pytest.raises(_Captured) as caught:
     train.main(_argv(tmp_path / "run", ["PoolConfig.num_pages = None",
                                         "PoolConfig.memory_fraction = 0.5"]))
-  budget = caught.value.args[0].pool.memory_bytes
+  pool = caught.value.args[0].pool
+  assert pool.memory_bytes is None and 0 < pool.reserved_bytes < 64 * MB
+  budget = pool_budget(pool, 64 * MB)  # What the engine takes with 64 MB free.
   assert 0 < budget < 32 * MB
   assert "kv pool:" in capsys.readouterr().out
+
+
+def _run_pages(tmp_path, monkeypatch, params):
+  """The pages per data shard the run's engine allocates (the run stops there)."""
+  real = loop.Engine
+
+  def capture(*args, **kwargs):
+    engine = real(*args, **kwargs)
+    raise _Captured(engine.allocs[0].num_pages, engine.page_size, len(engine.allocs))
+
+  monkeypatch.setattr(loop, "Engine", capture)
+  with pytest.raises(_Captured) as caught:
+    train.main(_argv(tmp_path / "run", params))
+  return caught.value.args
+
+
+@pytest.mark.parametrize("params", [
+    ["PoolConfig.num_pages = None"],  # CPU devices: the fallback budget over the shards
+    ["PoolConfig.num_pages = None", "PoolConfig.fallback_bytes = 50000000",
+     "PlacementConfig.num_devices = 8", "rollout_mesh/MeshConfig.data = 2",
+     "rollout_mesh/MeshConfig.tensor = 4"],
+], ids=["fallback", "tensor4_data2"])
+def test_the_plan_predicts_the_pool_the_run_allocates(tmp_path, monkeypatch, params):
+  """One sizing rule (rollout.pages.pool_pages) for the engine and the planner: plan's
+  kv_tokens are the pages the run's engine allocates per data shard, times the page."""
+  from tests.pipeline.test_train import FAST, QUICKSTART
+  pages, page_size, shards = _run_pages(tmp_path, monkeypatch, params)
+  out = subprocess.run([sys.executable, "-m", "jaxrl_post.plan", f"--gin_file={QUICKSTART}",
+                        *[f"--gin_param={p}" for p in FAST + params], "--json"],
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  predicted = json.loads(out.stdout.strip().splitlines()[-1])
+  assert predicted["kv_pages"] == pages and predicted["kv_tokens"] == pages * page_size
+  assert shards == (2 if len(params) > 1 else 1)

@@ -1,0 +1,257 @@
+"""The rollout engine's device programs: the decode loop, packed prefill, first tokens.
+
+Each is one jitted program over the rollout mesh (rollout.layout), taking the weights in
+the engine's form (rollout.weights), the KV pool (donated: written in place) and the slot
+state the devices keep between calls (SlotState). `rollout.engine.Engine` decides what to
+run and when; the planner (jaxrl_post.plan) lowers these same programs on abstract
+arguments to read their memory and cost, so what it predicts is what a run compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.models.moe import NO_EXPERT
+from jaxrl_post.models.transformer import Transformer, abstract_model
+from jaxrl_post.rollout import compact, forward, prefill_pack, weights
+from jaxrl_post.rollout.attention import SharedPrefix
+from jaxrl_post.rollout.layout import RolloutLayout
+from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool, copy_pool_pages
+from jaxrl_post.rollout.sampling import sample_with_floors, token_keys
+from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules
+
+
+class SlotState(NamedTuple):
+  """Per-slot decode state, the carry of the device loop (B = num_slots).
+
+  It lives on the devices between decode calls; the host keeps a mirror, and sends only
+  the rows it changed (an insert, a freed slot, pages grown) before the next call.
+  """
+
+  tokens: jax.Array  # [B] int32 next token to feed
+  lengths: jax.Array  # [B] int32 tokens in the slot's pages (position of `tokens`)
+  num_generated: jax.Array  # [B] int32 completion tokens so far (the fed one included)
+  max_tokens: jax.Array  # [B] int32
+  active: jax.Array  # [B] bool
+  page_table: jax.Array  # [B, M] int32 every page of the slot (M = max_seq_len / page)
+  seeds: jax.Array  # [B] uint32
+  sample_ids: jax.Array  # [B] int32
+  temperature: jax.Array  # [B] float32
+  top_k: jax.Array  # [B] int32
+  top_p: jax.Array  # [B] float32
+  stop_ids: jax.Array  # [B, S] int32, -1 padded
+
+
+def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
+  b = num_slots
+  return SlotState(
+      tokens=np.zeros((b,), np.int32), lengths=np.zeros((b,), np.int32),
+      num_generated=np.zeros((b,), np.int32), max_tokens=np.zeros((b,), np.int32),
+      active=np.zeros((b,), bool), page_table=np.full((b, max_pages), TRASH_PAGE, np.int32),
+      seeds=np.zeros((b,), np.uint32), sample_ids=np.zeros((b,), np.int32),
+      temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
+      top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
+
+
+def template(cfg: ModelConfig) -> Transformer:
+  return abstract_model(cfg)
+
+
+def _bind(cfg: ModelConfig, params):
+  """(the model bound to `params`, its per-layer weights or None): see rollout.weights."""
+  return weights.bind(cfg, params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "rows",
+                                            "truncation", "draws"),
+                   donate_argnames=("pool", "state"))
+def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
+                 cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
+                 rows: int | None = None, truncation: bool = True, draws: bool = True):
+  """Up to `steps` decode steps for all slots; stops early once every slot is done.
+
+  `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
+  for the call, so it stays out of the loop carry. The loop sees `width` columns (None:
+  all) of each slot's page table, from its first page (plain) or from the first page after
+  its block's shared prefix (cascade). With `rows` (plain attention only) the call decodes
+  only the first `rows` live slots of each data shard (rollout.compact; the host picks a
+  width that holds them all), the other slots left as they are.
+  Without `truncation` (no slot samples with top-k or top-p) the program holds no
+  vocabulary sort at all, and without `draws` (every slot greedy) no random draw (see
+  sampling.sample).
+
+  Returns:
+    (pool, final state (sharded like `state`, which stays on the devices), tokens [B, steps]
+    (-1 where a slot produced none), logprobs, active [B], the experts of each step's fed
+    token [B, steps, L, k] int16 (MoE models; None otherwise), each token's kept-set floor
+    [B, steps] (with `truncation`; None otherwise)); all but the first two replicated, so
+    every process reads them whole.
+  """
+  full = state.page_table
+  state = state._replace(page_table=_loop_table(full, shared, width, pool.k.shape[3]))
+  with activation_rules(ROLLOUT_RULES, layout.mesh):
+    if rows is None:
+      pool, state, *outputs = _decode_steps(params, pool, state, shared, cfg, steps, layout,
+                                            truncation, draws)
+    else:
+      order = compact.live_first(state.active, layout.data_shards)
+      pool, live, *outputs = _decode_steps(params, pool, compact.take(state, order, rows),
+                                           shared, cfg, steps, layout, truncation, draws)
+      state = compact.put(state, live, order)
+      outputs = compact.put(_empty_outputs(cfg, state.tokens.shape[0], steps, truncation),
+                            tuple(outputs), order)
+  state = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.rows(x.ndim)),
+                       state._replace(page_table=full))
+  whole = lambda tree: jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), tree)
+  out_tokens, out_logprobs, out_experts, out_floors = outputs
+  return (pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active),
+          whole(out_experts), whole(out_floors))
+
+
+def _empty_outputs(cfg: ModelConfig, b: int, steps: int, truncation: bool):
+  """A decode call's outputs for b slots before any step: (tokens -1, logprobs 0, experts
+  NO_EXPERT (MoE models; int16, routing replay's record kept small), floors -inf (calls
+  that may truncate)); a slot keeps these at every step it produces nothing."""
+  experts = floors = None
+  if cfg.moe is not None:
+    shape = (b, steps, cfg.num_layers, cfg.moe.experts_per_token)
+    experts = jnp.full(shape, NO_EXPERT, jnp.int16)
+  if truncation:
+    floors = jnp.full((b, steps), -jnp.inf, jnp.float32)
+  return (jnp.full((b, steps), -1, jnp.int32), jnp.zeros((b, steps), jnp.float32), experts,
+          floors)
+
+
+def _loop_table(full, shared: SharedPrefix | None, width: int | None, page_size: int):
+  """[B, M] page tables -> the [B, width] ones the decode step reads (see decode_loop)."""
+  width = width or full.shape[1]
+  if shared is None:
+    return full[:, :width]
+  rows_per_block = full.shape[0] // shared.lengths.shape[0]
+  start = jnp.repeat(shared.lengths // page_size, rows_per_block)  # [B] shared pages
+  cols = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]
+  own = jnp.take_along_axis(full, jnp.minimum(cols, full.shape[1] - 1), axis=1)
+  return jnp.where(cols < full.shape[1], own, TRASH_PAGE)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def set_rows(state: SlotState, index, rows: SlotState) -> SlotState:
+  """state with rows `index` replaced ([N] slot ids; ids >= B are padding, dropped)."""
+  return jax.tree.map(lambda a, r: a.at[index].set(r, mode="drop"), state, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def set_table_rows(state: SlotState, index, table) -> SlotState:
+  """state with the page-table rows `index` replaced; every other field as it is."""
+  return state._replace(page_table=state.page_table.at[index].set(table, mode="drop"))
+
+
+def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, draws):
+  model, layers = _bind(cfg, params)
+  out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
+      cfg, state.tokens.shape[0], steps, truncation)
+
+  def cond(carry):
+    i, _, st = carry[:3]
+    return (i < steps) & jnp.any(st.active)
+
+  def body(carry):
+    i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
+    logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
+                                                st.page_table, st.active, shared, layout,
+                                                layers=layers)
+    keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
+    tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
+                                        truncation, draws)
+    on = st.active
+    out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
+    out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))
+    if out_experts is not None:  # The fed token's experts (it is the previous output).
+      fed = jnp.where(on[:, None, None], experts, NO_EXPERT).astype(jnp.int16)
+      out_experts = out_experts.at[:, i].set(fed)
+    if out_floors is not None:
+      out_floors = out_floors.at[:, i].set(jnp.where(on, floor, -jnp.inf))
+    n = st.num_generated + on
+    stop = jnp.any(tok[:, None] == st.stop_ids, axis=1)
+    st = st._replace(tokens=jnp.where(on, tok, st.tokens), lengths=st.lengths + on,
+                     num_generated=n, active=on & ~stop & (n < st.max_tokens))
+    return i + 1, pool, st, out_tokens, out_logprobs, out_experts, out_floors
+
+  carry = (jnp.int32(0), pool, state, out_tokens, out_logprobs, out_experts, out_floors)
+  _, pool, state, *outputs = jax.lax.while_loop(cond, body, carry)
+  return (pool, state, *outputs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
+def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: ModelConfig,
+             layout: RolloutLayout):
+  """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
+  each row token's experts [R, T, L, k] int16 replicated, or None for a dense model)."""
+  with activation_rules(ROLLOUT_RULES, layout.mesh):
+    model, layers = _bind(cfg, params)
+    logits, pool, experts = forward.prefill_packed(model, pool, rows, last, layout,
+                                                   layers=layers)
+  if experts is not None:
+    experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
+  return pool, logits, experts
+
+
+# sample_first's operands after the logits: the rows, seeds, sample ids, temperatures,
+# top-k and top-p of the samples.
+FIRST_TOKEN_OPERANDS = (np.int32, np.uint32, np.int32, np.float32, np.int32, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "truncation", "draws"))
+def sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
+                  layout: RolloutLayout, truncation: bool = True,
+                  draws: bool = True):  # [R, V], [S] x6
+  """Each sample's first token (token index 0) from the last logits of its prefill row;
+  without `truncation` (no sample uses top-k or top-p) or `draws` (every sample greedy)
+  the program leaves out the vocabulary sort or the random draw, which on a CPU take
+  most of its compile time."""
+  keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
+  out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p,
+                           truncation, draws)
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=0)
+def copy_pages(pool: KVPool, src, dst, *, layout: RolloutLayout) -> KVPool:
+  """Per data shard, copies its pages src[s, i] -> dst[s, i] (shard-local ids)."""
+  specs = KVPool(layout.pool_spec, layout.pool_spec)
+  local = layout.per_device(lambda p, a, b: copy_pool_pages(p, a[0], b[0]),
+                            in_specs=(specs, layout.rows_spec(2), layout.rows_spec(2)),
+                            out_specs=specs)
+  return local(pool, src, dst)
+
+
+def zeros_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                layout: RolloutLayout) -> KVPool:
+  """The pool created in place on its devices (no host or single-device staging copy).
+
+  Its sharding is spelled as the programs that return the pool spell it (a constraint, not
+  out_shardings: XLA drops size-1 axes and trailing Nones). A differently spelled but
+  equivalent sharding would make the next call's jit compile the same shapes again.
+  """
+  sharding = layout.sharding(layout.pool_spec)
+  place = lambda x: jax.lax.with_sharding_constraint(x, sharding)
+  make = jax.jit(lambda: jax.tree.map(place, KVPool.zeros(cfg, num_pages, page_size, dtype)))
+  return make()
+
+
+def placed(x, sharding):
+  """x in `sharding`: as is when already there, else copied onto the mesh."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                      dtype=host.dtype)
