@@ -5,7 +5,9 @@ jaxrl_post.models.transformer -- with the attention swapped for the paged one, s
 change (biases, LoRA, RoPE scaling) reaches the rollout without a second implementation.
 Within a layer the new tokens' K/V are written before attending, so a token sees itself.
 Layers run under lax.scan with the pool in the carry: the scatter of the new K/V then
-updates the pool in place instead of copying it.
+updates the pool in place instead of copying it. Given the weights one buffer per layer
+(rollout.weights, a GPU's form) the layers are unrolled instead, the pool threaded through
+them the same way, so no matmul reads a copied slice of a stacked weight.
 
 The decode step has two attention modes. Plain: each row's page table covers all its
 tokens. Cascade (a `SharedPrefix` is given): rows come in blocks of samples of one prompt,
