@@ -275,13 +275,11 @@ def _profile_call(engine: Engine, tmp: str, top: int = 25):
   wall = time.perf_counter() - start
   jax.profiler.stop_trace()
   kernels = collections.defaultdict(lambda: [0, 0.0])
-  lines = []
   for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True):
     for plane in ProfileData.from_file(path).planes:
       if not plane.name.startswith(("/device:GPU", "/device:TPU")):
         continue
       for line in plane.lines:
-        lines.append(line.name)
         if not line.name.startswith("Stream"):
           continue
         for ev in line.events:
@@ -290,7 +288,7 @@ def _profile_call(engine: Engine, tmp: str, top: int = 25):
   produced = int((out.tokens >= 0).sum(axis=1).max())
   busy = sum(t for _, t in kernels.values())
   ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-  return out, {"decode_steps": produced, "wall_ms": round(1e3 * wall, 3), "lines": lines[:12],
+  return out, {"decode_steps": produced, "wall_ms": round(1e3 * wall, 3),
           "device_busy_ms": round(1e3 * busy, 3),
           "launches_per_step": round(sum(n for n, _ in kernels.values()) / max(produced, 1), 1),
           "top": [{"name": name[:120], "per_step": round(n / max(produced, 1), 2),

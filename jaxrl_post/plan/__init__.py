@@ -13,8 +13,8 @@ from jaxrl_post.plan.memory import (GB, Allocation, CompiledMemory, PoolPlan, Tr
                                     abstract_train_state, compile_with_allocations,
                                     compiled_memory, decode_loop_memory, device_bytes,
                                     head_positions_bound, kv_head_shards, micro_batch_shape, kv_pool_pages,
-                                    lower_train_step, pool_bytes_beside_train_step,
+                                    lower_train_step,
                                     reference_bytes, rollout_bytes, single_device_mesh,
                                     train_step_memory, weight_bytes)
 
-__all__ = ["GB", "Allocation", "CompiledMemory", "PoolPlan", "TrainStepMemory", "abstract_reference", "abstract_step_batch", "abstract_train_state", "compile_with_allocations", "compiled_memory", "decode_loop_memory", "device_bytes", "head_positions_bound", "kv_head_shards", "micro_batch_shape", "kv_pool_pages", "lower_train_step", "pool_bytes_beside_train_step", "reference_bytes", "rollout_bytes", "single_device_mesh", "train_step_memory", "weight_bytes"]
+__all__ = ["GB", "Allocation", "CompiledMemory", "PoolPlan", "TrainStepMemory", "abstract_reference", "abstract_step_batch", "abstract_train_state", "compile_with_allocations", "compiled_memory", "decode_loop_memory", "device_bytes", "head_positions_bound", "kv_head_shards", "micro_batch_shape", "kv_pool_pages", "lower_train_step", "reference_bytes", "rollout_bytes", "single_device_mesh", "train_step_memory", "weight_bytes"]

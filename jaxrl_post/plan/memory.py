@@ -462,12 +462,13 @@ def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes
   if not 0.0 < fraction <= 1.0:
     raise UserError(f"kv pool plan: fraction must be in (0, 1], got {fraction}")
   shards = kv_head_shards(model_cfg, tensor_shards)
-  one_page = page_bytes(model_cfg, page_size, kv_dtype) // shards
+  full_page = page_bytes(model_cfg, page_size, kv_dtype)  # All KV heads.
+  one_page = full_page // shards
   left = device_bytes - train_peak_bytes - other_bytes
   pool = PoolConfig(page_size=page_size, memory_fraction=fraction)
   free = device_bytes - other_bytes  # The engine's rule (rollout.pages.pool_pages).
   budget = pool_budget(pool, free, train_peak_bytes)
-  pages = budget * shards // page_bytes(model_cfg, page_size, kv_dtype)
+  pages = budget * shards // full_page
   if pages < 2:
     raise UserError(
         f"kv pool plan: nothing left for the KV pool: the device has {device_bytes / GB:.2f} "
@@ -476,18 +477,6 @@ def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes
         f"{one_page} bytes); shard wider, use LoRA, remat, or fewer rows per device")
   return PoolPlan(pages=int(pages), page_bytes=int(one_page), budget_bytes=budget,
                   page_size=page_size)
-
-
-def pool_bytes_beside_train_step(free_bytes: int, step: TrainStepMemory,
-                                 fraction: float) -> int:
-  """The KV pool's budget on a device where the train state already lives.
-
-  The state (parameters, optimizer state, frozen base) and the reference weights are
-  resident and counted in `free_bytes` already; what the step adds on top of them while it
-  runs (activations, gradients, outputs not written in place, the batch) must stay free
-  for the whole run.
-  """
-  return pool_budget(PoolConfig(memory_fraction=fraction), free_bytes, step.transient_bytes)
 
 
 # ------------------------------------------------------------------------ decode loop

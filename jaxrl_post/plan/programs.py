@@ -109,7 +109,7 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
   cfg = model_config(exp)
   meshes = build_meshes(exp.placement, devices)
   trainer = Trainer(cfg, exp.trainer, mesh=meshes.trainer)
-  layout = RolloutLayout.build(cfg, meshes.rollout)
+  layout = RolloutLayout.build(cfg, meshes.rollout, exp.rollout.engine.split_layers)
   s = shapes(exp, trainer, layout)
   train = memory.train_step_memory(cfg, exp.trainer, meshes.trainer, rows=s.rows,
                                    completion_len=s.completion_len,

@@ -178,7 +178,7 @@ class Engine(SlotBook, CompileAheadMixin):
 
     Weights not already in the rollout sharding of this engine's mesh are moved there.
     """
-    template = programs.template(self.model_config)
+    template = weights.template(self.model_config)
     want = jax.tree.structure(params_of(template))
     if jax.tree.structure(params) != want:
       raise UserError("set_weights: the parameter tree does not match the model config")

@@ -18,7 +18,6 @@ import numpy as np
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.moe import NO_EXPERT
-from jaxrl_post.models.transformer import Transformer, abstract_model
 from jaxrl_post.rollout import compact, forward, prefill_pack, weights
 from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout
@@ -57,15 +56,6 @@ def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
       seeds=np.zeros((b,), np.uint32), sample_ids=np.zeros((b,), np.int32),
       temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
       top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
-
-
-def template(cfg: ModelConfig) -> Transformer:
-  return abstract_model(cfg)
-
-
-def _bind(cfg: ModelConfig, params):
-  """(the model bound to `params`, its per-layer weights or None): see rollout.weights."""
-  return weights.bind(cfg, params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "rows",
@@ -154,7 +144,7 @@ def set_table_rows(state: SlotState, index, table) -> SlotState:
 
 
 def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, draws):
-  model, layers = _bind(cfg, params)
+  model, layers = weights.bind(cfg, params)
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
 
@@ -195,7 +185,7 @@ def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: M
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
   each row token's experts [R, T, L, k] int16 replicated, or None for a dense model)."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
-    model, layers = _bind(cfg, params)
+    model, layers = weights.bind(cfg, params)
     logits, pool, experts = forward.prefill_packed(model, pool, rows, last, layout,
                                                    layers=layers)
   if experts is not None:

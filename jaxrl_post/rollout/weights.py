@@ -62,7 +62,8 @@ def abstract_split(params: dict, num_layers: int) -> dict:
   return {**params, "layers": tuple(dict(layer) for _ in range(num_layers))}
 
 
-def _template(cfg: ModelConfig) -> Transformer:
+def template(cfg: ModelConfig) -> Transformer:
+  """The model's structure with abstract weights: what the engine binds its weights to."""
   return abstract_model(cfg)
 
 
@@ -72,8 +73,8 @@ def bind(cfg: ModelConfig, params: dict) -> tuple[Transformer, tuple[dict, ...] 
   With split layers the model's own stacked layers stay abstract shapes: the forward
   takes each layer's weights from the tuple instead (rollout.forward).
   """
-  template = _template(cfg)
+  model = template(cfg)
   if not is_split(params):
-    return with_params(template, params), None
-  stacked = params_of(template)["layers"]
-  return with_params(template, {**params, "layers": stacked}), tuple(params["layers"])
+    return with_params(model, params), None
+  stacked = params_of(model)["layers"]
+  return with_params(model, {**params, "layers": stacked}), tuple(params["layers"])

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl_post import plan, train
 from jaxrl_post.pipeline import loop
-from jaxrl_post.rollout.pages import pool_budget
+from jaxrl_post.rollout.pages import PoolConfig, pool_budget
 from tests.pipeline.test_train import _argv
 
 MB = 1 << 20
@@ -22,8 +22,9 @@ def test_pool_budget_leaves_the_train_steps_transient_memory_free():
                                    alias_bytes=250 * MB, flops=0.0),
       params_bytes=100 * MB, frozen_bytes=0, opt_state_bytes=200 * MB, batch_bytes=0)
   # Peak 700 MB, of which the 300 MB state is resident already: 400 MB must stay free.
-  assert plan.pool_bytes_beside_train_step(1000 * MB, step, 0.5) == 300 * MB
-  assert plan.pool_bytes_beside_train_step(300 * MB, step, 0.5) == 0
+  half = PoolConfig(memory_fraction=0.5)
+  assert pool_budget(half, 1000 * MB, step.transient_bytes) == 300 * MB
+  assert pool_budget(half, 300 * MB, step.transient_bytes) == 0
 
 
 class _Captured(Exception):
