@@ -7,9 +7,9 @@
 # 0 runs them in this one). Much of a test is single-threaded compilation and subprocesses
 # starting, which a second process overlaps even on two cores. A test still running after
 # JAXRL_TEST_TIMEOUT seconds (default 900) fails with its stacks, so a hang costs minutes.
-# A test whose worker process crashes is run once more (only a crash: XLA:CPU has segfaulted
-# in about one test per suite run, a different one each time, in native compile and
-# executable-serialisation code); a second crash, or any ordinary failure, fails the run.
+# A test file whose tests together take longer than tests/suite_health.FILE_BUDGET_S fails
+# the run (unless its long tests say why with slow(reason=...)); the suite's wall time and
+# its 25 slowest tests are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,6 +22,10 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
-exec .venv/bin/python -m pytest -q -n "$workers" --durations=25 \
-  --timeout="${JAXRL_TEST_TIMEOUT:-900}" --reruns 1 --only-rerun "crashed while running" \
-  -m "not sweep" "$@"
+start=$(date +%s)
+rc=0
+.venv/bin/python -m pytest -q -n "$workers" --durations=25 \
+  --timeout="${JAXRL_TEST_TIMEOUT:-900}" \
+  -m "not sweep" "$@" || rc=$?
+echo "test: the suite took $(( $(date +%s) - start )) s of wall time on $workers workers"
+exit "$rc"

@@ -24,28 +24,81 @@ compile_only_tpu_env()
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
-# The test processes themselves neither read nor write the cache (the runs they start do):
-# in these long-lived processes, which also load libtpu and compile hundreds of programs,
-# XLA:CPU's executable serialisation crashed about once per suite run (a segfault in
-# put/get_executable_and_time), never in a command's own process.
-jax.config.update("jax_enable_compilation_cache", False)
+from tests import suite_health  # noqa: E402
+
+# The test processes read and write the cache too: a test's in-process run and the runs it
+# starts as subprocesses (a straight run against a killed and resumed one) compile the same
+# programs. (Their long life once crashed XLA:CPU while it serialised an executable: the
+# process had run out of memory mappings, see tests/suite_health.py.)
+
+
+_CACHE_OPTIONS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                  "jax_persistent_cache_min_compile_time_secs",
+                  "jax_persistent_cache_min_entry_size_bytes")
 
 
 @pytest.fixture(autouse=True)
-def _commands_run_here_compile_without_the_cache(request, monkeypatch):
-  """A command's main() called in this process (train.main, evaluate.main, ...) keeps the
-  cache off too; tests marked `compilation_cache` exercise the cache itself."""
-  if request.node.get_closest_marker("compilation_cache") is None:
-    from jaxrl_post import compile_cache
+def _cache_settings_restored_after_each_test():
+  """A command run in this process (train.main with --compilation_cache=off, ...) sets the
+  cache for the whole process: the next test gets the suite's settings back."""
+  saved = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+  yield
+  if any(getattr(jax.config, name) != value for name, value in saved.items()):
+    from jax.experimental.compilation_cache import compilation_cache
 
-    real = compile_cache.enable
-    monkeypatch.setattr(compile_cache, "enable", lambda flag=None: real("off"))
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_after_each_file():
+  """A worker keeps each executable jax caches, three memory mappings per kernel; past the
+  kernel's limit on mappings (vm.max_map_count) XLA:CPU crashes while compiling. Releasing
+  them after a file once they pass a third of that keeps a worker far below it (one file
+  adds at most about 10,000), and later files still reuse what earlier ones compiled."""
+  yield
+  if suite_health.mapped_regions() > suite_health.RELEASE_ABOVE:
+    suite_health.release_compiled_programs()
 
 
 def pytest_collection_modifyitems(config, items):
+  for item in items:  # Reaches the reports the controller of several workers reads.
+    item.user_properties.append(("slow_reason", suite_health.slow_reason(item)))
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def _budgeted(config) -> bool:
+  """The default run (sweeps left out), in the process that sees every test's report."""
+  return not hasattr(config, "workerinput") and "not sweep" in (config.option.markexpr or "")
+
+
+def pytest_runtest_logreport(report):
+  if not dict(report.user_properties).get("slow_reason"):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """A test file whose tests together take longer than the budget fails the run."""
+  if _budgeted(session.config) and exitstatus == 0 and \
+      suite_health.files_over_budget(_FILE_SECONDS):
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  over = suite_health.files_over_budget(_FILE_SECONDS) if _budgeted(config) else []
+  if over:
+    terminalreporter.section("test files over their time budget", red=True)
+    for path, seconds in over:
+      terminalreporter.line(f"{path}: {seconds:.0f} s of {suite_health.FILE_BUDGET_S:.0f} s; "
+                            "share its runs through fixtures, or mark its long tests "
+                            "slow(reason=...)")

@@ -8,20 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from jaxrl_post import compile_cache
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.telemetry import read_metrics
 
-pytestmark = pytest.mark.compilation_cache  # The real `enable`, in this process too.
-
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-_OPTIONS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-            "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
 
 
 @pytest.fixture
@@ -30,16 +24,6 @@ def clean_env(monkeypatch):
   for name in (compile_cache.ENV, "XDG_CACHE_HOME") + _JAX_ENV:
     monkeypatch.delenv(name, raising=False)
   return monkeypatch
-
-
-@pytest.fixture
-def restore_jax_cache():
-  """This process's cache settings as they were, for the tests that run after."""
-  saved = {name: getattr(jax.config, name) for name in _OPTIONS}
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  jax_cache.reset_cache()
 
 
 def test_flag_wins_over_environment_which_wins_over_the_default(clean_env, tmp_path):
@@ -60,7 +44,7 @@ def test_flag_wins_over_environment_which_wins_over_the_default(clean_env, tmp_p
 
 
 def test_enable_points_jax_at_the_directory_and_off_turns_it_off(
-    clean_env, restore_jax_cache, tmp_path):
+    clean_env, tmp_path):
   path = str(tmp_path / "made" / "here")
   assert compile_cache.enable(path) == path and os.path.isdir(path)
   assert jax.config.jax_enable_compilation_cache
@@ -70,7 +54,7 @@ def test_enable_points_jax_at_the_directory_and_off_turns_it_off(
   assert not jax.config.jax_enable_compilation_cache
 
 
-def test_jax_thresholds_set_by_the_user_are_kept(clean_env, restore_jax_cache, tmp_path):
+def test_jax_thresholds_set_by_the_user_are_kept(clean_env, tmp_path):
   clean_env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   compile_cache.enable(str(tmp_path))
@@ -78,7 +62,7 @@ def test_jax_thresholds_set_by_the_user_are_kept(clean_env, restore_jax_cache, t
 
 
 def test_an_unwritable_directory_warns_and_compiles_without_a_cache(
-    clean_env, restore_jax_cache, tmp_path, capsys):
+    clean_env, tmp_path, capsys):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
   assert compile_cache.enable(str(blocker / "xla")) is None
@@ -88,7 +72,7 @@ def test_an_unwritable_directory_warns_and_compiles_without_a_cache(
 
 
 def test_a_program_loaded_from_the_cache_is_not_counted_as_compiled(
-    clean_env, restore_jax_cache, tmp_path):
+    clean_env, tmp_path):
   compile_cache.enable(str(tmp_path))
   f = jax.jit(lambda x: jnp.cumsum(x * 3.0 + 1.0) - 7.0)
   x = np.arange(5, dtype=np.float32)

@@ -77,20 +77,48 @@ def _with_frozen(params: dict, frozen: dict | None) -> dict:
   return params if frozen is None else merge_params(params, frozen)
 
 
+def _kept(params: dict):
+  """x -> the sharding a step's output keeps: x's own on the parameters' mesh; replicated
+  there for the rest (the optimizer's step count, the loss, given as None)."""
+  named = [x.sharding for x in jax.tree.leaves(params)
+           if isinstance(x.sharding, jax.sharding.NamedSharding)]
+  if not named:
+    return lambda x: x.sharding if x is not None else None
+  replicated = jax.sharding.NamedSharding(named[0].mesh, jax.sharding.PartitionSpec())
+  return lambda x: (x.sharding if x is not None and isinstance(
+      x.sharding, jax.sharding.NamedSharding) else replicated)
+
+
 class SftTrainer:
   """Jitted AdamW steps on `sft_loss`; parameters stay in the caller's layout."""
 
   def __init__(self, model: Transformer, cfg: SftConfig):
     self.model, self.cfg = model, cfg
     self.optimizer = optax.adamw(cfg.learning_rate)
+    self._step = None
 
   def init(self, params: dict):
     return self.optimizer.init(params)
 
-  @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
   def step(self, params, opt_state, inputs: PackedInputs, frozen=None):
     """One AdamW step on a packed batch; (params, opt_state, loss). Donates params and
     opt_state. `frozen`: further parameters the model reads but the step leaves alone."""
+    if self._step is None:
+      # The outputs keep the first inputs' shardings: left to the compiler, a spec such as
+      # P(None, 'fsdp', None) comes back as the equal P(None, 'fsdp'), which jax keys as
+      # another program, so the second step compiled the whole step again.
+      self._shardings = None
+      if all(isinstance(x, jax.Array) for x in jax.tree.leaves((params, opt_state))):
+        keep = functools.partial(jax.tree.map, _kept(params))
+        self._shardings = (keep(params), keep(opt_state))
+      out = {} if self._shardings is None else {
+          "out_shardings": (*self._shardings, _kept(params)(None))}
+      self._step = jax.jit(self._update, donate_argnums=(0, 1), **out)
+    if self._shardings is not None:  # No copy once the state is where the step keeps it.
+      params, opt_state = jax.device_put((params, opt_state), self._shardings)
+    return self._step(params, opt_state, inputs, frozen)
+
+  def _update(self, params, opt_state, inputs: PackedInputs, frozen):
     loss, grads = jax.value_and_grad(
         lambda p: sft_loss(self.model, _with_frozen(p, frozen), inputs))(params)
     updates, opt_state = self.optimizer.update(grads, opt_state, params)

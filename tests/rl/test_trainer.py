@@ -2,6 +2,7 @@
 non-finite skipping, LoRA, and a toy task that GRPO must solve."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +48,15 @@ def grads_of(trainer, state, inputs_list, groups, adv, behaviour, t, normaliser)
     zeros = jnp.zeros_like(old)
     mb = _Micro(inputs, jnp.asarray(to_completion_layout([behaviour[i] for i in g], t)),
                 jnp.asarray(adv[g]), jnp.zeros(len(g)), OldPolicy(old, zeros))
-    g_ = jax.grad(lambda p: trainer._micro_loss(p, state.frozen, mb, old, normaliser)[0])(
-        state.params)
+    g_ = _micro_grad(trainer, state.params, state.frozen, mb, old, normaliser)
     total = jax.tree.map(jnp.add, total, g_)
   return total
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _micro_grad(trainer, params, frozen, mb, old, normaliser):
+  """One micro-batch's gradient, compiled (op by op it took most of a minute)."""
+  return jax.grad(lambda p: trainer._micro_loss(p, frozen, mb, old, normaliser)[0])(params)
 
 
 # CI runs the default aggregation; the other two share every packing path (-m sweep).

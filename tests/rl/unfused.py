@@ -12,6 +12,8 @@ from the updated policy, a misplaced gather at completion positions — shows he
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,26 +83,32 @@ def unfused_update(trainer, trainable, frozen, opt_state, step, trajectories, be
   return trainable, opt_state, history
 
 
+def _loss(trainer, params, frozen, mb, normaliser):
+  cfg = trainer.cfg
+  logp, ent = full_position_logprobs(trainer.model, merge_params(params, frozen),
+                                     mb["packed"], cfg.temperature)
+  old = jax.lax.stop_gradient(logp) if mb["old"] is None else mb["old"]
+  mask = mb["mask"]
+  weights, mask, _ = off_policy_correction(old, mb["behaviour"], mask, cfg.off_policy)
+  loss, m = policy_loss(logp, old, mb["ref"], mb["advantages"], mask, ent, cfg.loss,
+                        normaliser, is_weights=weights)
+  return loss, {"logp": logp, "entropy": ent, "ratio": m["ratio"],
+                "clip_low": m["clip_low"], "clip_high": m["clip_high"], "is_weights": weights}
+
+
+# Each micro-batch's loss and gradients are still their own program; compiled, not run op
+# by op (which took most of a minute per test).
+_value_and_grad = functools.partial(jax.jit, static_argnums=0)(
+    jax.value_and_grad(_loss, argnums=1, has_aux=True))
+
+
 def _update(trainer, trainable, frozen, opt_state, step, micro):
   cfg = trainer.cfg
   normaliser = global_normaliser(jnp.concatenate([mb["mask"] for mb in micro]), cfg.loss)
-
-  def loss_fn(params, mb):
-    logp, ent = full_position_logprobs(trainer.model, merge_params(params, frozen),
-                                       mb["packed"], cfg.temperature)
-    old = jax.lax.stop_gradient(logp) if mb["old"] is None else mb["old"]
-    mask = mb["mask"]
-    weights, mask, _ = off_policy_correction(old, mb["behaviour"], mask, cfg.off_policy)
-    loss, m = policy_loss(logp, old, mb["ref"], mb["advantages"], mask, ent, cfg.loss,
-                          normaliser, is_weights=weights)
-    return loss, {"logp": logp, "entropy": ent, "ratio": m["ratio"],
-                  "clip_low": m["clip_low"], "clip_high": m["clip_high"],
-                  "is_weights": weights}
-
   grads = jax.tree.map(jnp.zeros_like, trainable)
   loss, per_token = jnp.float32(0.0), []
   for mb in micro:
-    (l, tokens), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable, mb)
+    (l, tokens), g = _value_and_grad(trainer, trainable, frozen, mb, normaliser)
     grads, loss = jax.tree.map(jnp.add, grads, g), loss + l
     per_token.append(tokens)
   grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
