@@ -151,7 +151,7 @@ def test_validation_errors_are_one_line_naming_the_field(bindings, field):
   assert field in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the real SmolLM2-135M trains a step")
 def test_smollm2_lora_config_trains_a_step_moving_under_4_percent_of_the_weights(tmp_path):
   """The shipped SmolLM2 LoRA config, on the real embedded model, for one small step."""
   records = _run("smollm2_arith_lora.gin", tmp_path / "smol",

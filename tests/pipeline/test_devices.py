@@ -96,7 +96,7 @@ def baseline(tmp_path_factory):
   return get
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the training command on 1 and on 8 devices")
 @pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.sweep), 8])
 def test_default_placement_gives_the_one_device_run_on(devices, baseline):
   runs = {n: baseline(n) for n in (1, devices)}
@@ -131,7 +131,7 @@ def test_two_processes_write_the_metrics_of_one_process(tmp_path, baseline):
   _close(read_metrics(str(workdir / "metrics.jsonl")), baseline(8))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two processes of the training command, then one against them")
 def test_a_verifier_timing_out_on_one_process_is_one_value_on_both(tmp_path):
   """Process 1's verifier times out on every call, process 0's never does. Each process
   scores its groups (prompts) and the outcomes are gathered, so both train on the same
@@ -179,7 +179,7 @@ SPLIT_UNEVEN = ["--gin_param=PlacementConfig.mode = 'split'",
                 "--gin_param=PlacementConfig.trainer_devices = 2"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two processes of the training command, twice (run and resume)")
 @pytest.mark.parametrize("split", [SPLIT, pytest.param(SPLIT_UNEVEN, marks=pytest.mark.sweep)],
                          ids=["4_and_4", "2_and_6"])
 def test_split_placement_across_processes_writes_the_metrics_of_one_process(tmp_path,
@@ -228,7 +228,7 @@ def _gsm8k_files(directory) -> None:
     (directory / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the shipped GPU config's whole run on 8 devices")
 def test_hf_gsm8k_config_runs_unchanged_on_8_devices(tmp_path):
   """The shipped GPU config, on a tiny HF model directory and GSM8K-format files: only
   sizes are shrunk; placement, meshes and engine settings are the config's own."""

@@ -234,7 +234,7 @@ SMOKE = ["Experiment.steps = 1", "RolloutSpec.prompts_per_step = 1", "RolloutSpe
          '"remat": "none"}']
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the real SmolLM2-135M trains a step on sandboxed HumanEval")
 def test_shipped_config_trains_a_step_on_the_cpu(tmp_path):
   from jaxrl_post.telemetry import read_metrics
 

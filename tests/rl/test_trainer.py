@@ -60,6 +60,7 @@ def _micro_grad(trainer, params, frozen, mb, old, normaliser):
 
 
 # CI runs the default aggregation; the other two share every packing path (-m sweep).
+@pytest.mark.slow(reason="a gradient program for each of four packings of the batch")
 @pytest.mark.parametrize("aggregation", [
     "token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.sweep),
     pytest.param("seq-mean-token-sum", marks=pytest.mark.sweep)])
@@ -151,6 +152,7 @@ def test_no_kl_term_runs_no_reference_forward():
                jax.device_get(with_ref.params))
 
 
+@pytest.mark.slow(reason="GRPO trains until the toy task is solved")
 def test_grpo_solves_the_toy_task():
   cfg = TrainerConfig(optimizer=OptimizerConfig(learning_rate=3e-3, total_steps=1000),
                       row_tokens=32)
