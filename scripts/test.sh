@@ -3,9 +3,10 @@
 # Usage: bash scripts/test.sh [pytest args...]     e.g. bash scripts/test.sh -m "not slow"
 # By default the `sweep` cases (more parametrizations of what the run already covers) are
 # left out; `bash scripts/test.sh -m sweep` runs them (a later -m replaces the default).
-# Tests run in JAXRL_TEST_WORKERS processes (default: one more than the cores, at least 2
-# and at most 4; 0 runs them in this one). Much of a test is single-threaded compilation,
-# subprocesses starting and runs waiting on each other, which another process overlaps. A test still running after
+# Tests run in JAXRL_TEST_WORKERS processes (default: the cores, at least 2 and at most 4;
+# 0 runs them in this one). Much of a test is single-threaded compilation and subprocesses
+# starting, which a second process overlaps even on two cores (a third, measured, did not
+# shorten the run, and each test's time counts against its file's budget). A test still running after
 # JAXRL_TEST_TIMEOUT seconds (default 900) fails with its stacks, so a hang costs minutes.
 # A test file whose tests together take longer than tests/suite_health.FILE_BUDGET_S fails
 # the run (unless its long tests say why with slow(reason=...)); the suite's wall time and
@@ -21,7 +22,7 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
     >/dev/null 2>&1 || echo "test: chromium not installed; the browser test will be skipped" >&2
 fi
 cores=$(nproc 2>/dev/null || echo 2)
-workers=${JAXRL_TEST_WORKERS:-$(( cores < 1 ? 2 : (cores > 3 ? 4 : cores + 1) ))}
+workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
 start=$(date +%s)
 rc=0
 .venv/bin/python -m pytest -q -n "$workers" --durations=25 \

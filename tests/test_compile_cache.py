@@ -103,6 +103,7 @@ def _train(workdir, env, extra=()):
   return read_metrics(os.path.join(workdir, "metrics.jsonl"))
 
 
+@pytest.mark.slow(reason="three runs of the training command")
 def test_a_second_run_and_its_resume_compile_nothing_the_first_compiled(tmp_path):
   cache = tmp_path / "xla"
   env = {k: v for k, v in os.environ.items() if k not in _JAX_ENV}

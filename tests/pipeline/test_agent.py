@@ -34,6 +34,7 @@ def _stored(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow(reason="one agent run checked through training, storage, resume and evaluation")
 def test_agent_run_trains_on_episodes_stores_them_and_resumes(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   assert train.main(_argv(workdir)) == 0

@@ -85,6 +85,7 @@ def _deterministic(records):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
+@pytest.mark.slow(reason="a straight run against a run cut short and resumed")
 def test_dapo_resume_gives_the_uninterrupted_metrics(tmp_path):
   straight = _run("quickstart_dapo.gin", tmp_path / "straight")
   _run("quickstart_dapo.gin", tmp_path / "cut", ["Experiment.steps = 1"])

@@ -40,6 +40,7 @@ def test_batches_come_from_weights_lag_steps_old_and_report_their_staleness(tmp_
   assert "queue_6.pkl" in queues
 
 
+@pytest.mark.slow(reason="a straight run against a killed run and its resume")
 @pytest.mark.parametrize("extra,kill_after", [
     (ONE_STEP_OFF, 3),
     pytest.param(BOUNDED, 2, marks=pytest.mark.sweep),

@@ -93,6 +93,7 @@ def _wait_for_step(path, step, proc, timeout=300):
   raise AssertionError(f"step {step} never appeared in {path}")
 
 
+@pytest.mark.slow(reason="a straight run against a killed run and its resume")
 @pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kill_after",
                          [pytest.param(QUICKSTART, 1, 1, 3, marks=pytest.mark.sweep),
                           (QUICKSTART, 2, 3, 4),
