@@ -96,6 +96,7 @@ class SftTrainer:
     self.model, self.cfg = model, cfg
     self.optimizer = optax.adamw(cfg.learning_rate)
     self._step = None
+    self._shardings = None  # (params, opt_state) shardings the step keeps, once known.
 
   def init(self, params: dict):
     return self.optimizer.init(params)
@@ -107,12 +108,11 @@ class SftTrainer:
       # The outputs keep the first inputs' shardings: left to the compiler, a spec such as
       # P(None, 'fsdp', None) comes back as the equal P(None, 'fsdp'), which jax keys as
       # another program, so the second step compiled the whole step again.
-      self._shardings = None
+      out = {}
       if all(isinstance(x, jax.Array) for x in jax.tree.leaves((params, opt_state))):
-        keep = functools.partial(jax.tree.map, _kept(params))
-        self._shardings = (keep(params), keep(opt_state))
-      out = {} if self._shardings is None else {
-          "out_shardings": (*self._shardings, _kept(params)(None))}
+        kept = _kept(params)
+        self._shardings = jax.tree.map(kept, (params, opt_state))
+        out = {"out_shardings": (*self._shardings, kept(None))}
       self._step = jax.jit(self._update, donate_argnums=(0, 1), **out)
     if self._shardings is not None:  # No copy once the state is where the step keeps it.
       params, opt_state = jax.device_put((params, opt_state), self._shardings)
