@@ -85,7 +85,8 @@ def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: i
   MAX_SLOTS; an explicit num_slots is used as given, no wider than the work.
   """
   from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
-  from jaxrl_post.rollout.engine import MAX_SLOTS, sequences_held
+  from jaxrl_post.rollout.engine import MAX_SLOTS
+  from jaxrl_post.rollout.pages import sequences_held
   from jaxrl_post.rollout.pages import cdiv, host_available_bytes, resolve_num_pages
 
   page_size = 16

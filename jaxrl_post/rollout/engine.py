@@ -22,8 +22,8 @@ window (Mistral; not Gemma 3, whose global layers read every token) a decoding s
 gives back the pages behind it.
 
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
-between calls; every token is stamped with the version that produced it. `generate` at the
-bottom of this module is the high-level call: requests in, per-sample completions out.
+between calls; every token is stamped with the version that produced it. The high-level
+call is rollout.scheduler.generate: requests in, per-sample completions out.
 
 The engine's rooms: its shapes (rollout.engine_config), its device programs
 (rollout.programs), its slot and page bookkeeping (rollout.slots), the programs it
@@ -51,10 +51,9 @@ from jaxrl_post.rollout.compile_ahead import CompileAhead, CompileAheadMixin
 from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, PageAllocator, PagedSequence, cdiv,
-                                      pow2_at_least, resolve_num_pages)
+                                      pow2_at_least, resolve_num_pages, sequences_held)
 from jaxrl_post.rollout.prefix_cache import PrefixCache
 from jaxrl_post.rollout.sampling import SamplingParams
-from jaxrl_post.rollout.scheduler import Completion, Request, Scheduler, SchedulerConfig
 from jaxrl_post.rollout.sequences import Prefix, ResultTokens, record_prompt_experts
 from jaxrl_post.rollout.slots import SlotBook
 from jaxrl_post.sharding import ROLLOUT_RULES, tree_shardings
@@ -470,47 +469,3 @@ class Engine(SlotBook, CompileAheadMixin):
     s.active[:] = np.where(same, active, s.active)
     return ResultTokens(tokens, logprobs, was_active & ~s.active, call.version, experts,
                         floors)
-
-
-# ---------------------------------------------------------------------- high-level API
-
-
-def sequences_held(num_pages: int, seq_pages: int) -> int:
-  """Sequences of seq_pages pages each that a pool of num_pages holds at once (page 0 is
-  the write sink, never handed out)."""
-  return (num_pages - 1) // seq_pages
-
-
-def request_seed(base_seed: int, index: int) -> int:
-  """The seed of the index-th request of a call whose requests carry none."""
-  return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
-
-
-def generate(engine: Engine, requests: Sequence[Request | Sequence[int]], *, n: int = 1,
-             sampling: SamplingParams = SamplingParams(),
-             scheduler: SchedulerConfig = SchedulerConfig()) -> list[list[Completion]]:
-  """Draws n completions per request with continuous batching.
-
-  Args:
-    engine: the engine (its weights and version are used as they are).
-    requests: Request objects, or bare prompt id lists.
-    n: samples per request; the prompt is prefilled once and its pages shared.
-    sampling: settings for requests that carry none; also the base seed for requests
-      without a seed (request i gets request_seed(sampling.seed, i)).
-    scheduler: prefill/decode interleaving.
-
-  Returns:
-    For each request, its n Completions (tokens, behaviour logprobs, finish reason,
-    weight versions).
-  """
-  if n < 1:
-    raise UserError(f"n must be >= 1, got {n}")
-  sched = Scheduler(engine, scheduler)
-  ids = []
-  for i, req in enumerate(requests):
-    if not isinstance(req, Request):
-      req = Request(tuple(req))
-    seed = req.seed if req.seed is not None else request_seed(sampling.seed, i)
-    ids.append(sched.submit(req.prompt, req.sampling or sampling, n=n, seed=seed))
-  results = sched.run()
-  return [results[i] for i in ids]

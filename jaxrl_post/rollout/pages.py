@@ -309,3 +309,9 @@ class PagedSequence:
     row = np.full((width,), TRASH_PAGE, np.int32)
     row[:len(self.pages)] = self.pages
     return row
+
+
+def sequences_held(num_pages: int, seq_pages: int) -> int:
+  """Sequences of seq_pages pages each that a pool of num_pages holds at once (page 0 is
+  the write sink, never handed out)."""
+  return (num_pages - 1) // seq_pages

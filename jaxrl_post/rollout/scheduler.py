@@ -58,13 +58,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.rollout.sampling import SamplingParams
 from jaxrl_post.sharding import mesh_platform, on_accelerator
+
+if TYPE_CHECKING:  # The engine imports this module's records.
+  from jaxrl_post.rollout.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,3 +442,41 @@ class Scheduler:
         self.slots[slot] = None
         self._leave_block(slot)
     return finished
+
+
+# ---------------------------------------------------------------------- high-level API
+
+
+def request_seed(base_seed: int, index: int) -> int:
+  """The seed of the index-th request of a call whose requests carry none."""
+  return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
+
+
+def generate(engine: Engine, requests: Sequence[Request | Sequence[int]], *, n: int = 1,
+             sampling: SamplingParams = SamplingParams(),
+             scheduler: SchedulerConfig = SchedulerConfig()) -> list[list[Completion]]:
+  """Draws n completions per request with continuous batching.
+
+  Args:
+    engine: the engine (its weights and version are used as they are).
+    requests: Request objects, or bare prompt id lists.
+    n: samples per request; the prompt is prefilled once and its pages shared.
+    sampling: settings for requests that carry none; also the base seed for requests
+      without a seed (request i gets request_seed(sampling.seed, i)).
+    scheduler: prefill/decode interleaving.
+
+  Returns:
+    For each request, its n Completions (tokens, behaviour logprobs, finish reason,
+    weight versions).
+  """
+  if n < 1:
+    raise UserError(f"n must be >= 1, got {n}")
+  sched = Scheduler(engine, scheduler)
+  ids = []
+  for i, req in enumerate(requests):
+    if not isinstance(req, Request):
+      req = Request(tuple(req))
+    seed = req.seed if req.seed is not None else request_seed(sampling.seed, i)
+    ids.append(sched.submit(req.prompt, req.sampling or sampling, n=n, seed=seed))
+  results = sched.run()
+  return [results[i] for i in ids]

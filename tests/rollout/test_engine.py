@@ -11,7 +11,8 @@ from jaxrl_post.models.decode import generate_dense
 from jaxrl_post.models.transformer import init_model, params_of
 from jaxrl_post.rollout import (Engine, EngineConfig, PoolConfig, Request, SamplingParams,
                                 Scheduler, SchedulerConfig, generate)
-from jaxrl_post.rollout.engine import MAX_SLOTS, sequences_held
+from jaxrl_post.rollout.engine import MAX_SLOTS
+from jaxrl_post.rollout.pages import sequences_held
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import resolve_num_pages
 from tests.rollout import helpers as H
