@@ -520,9 +520,9 @@ def lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout
                  truncation: bool = True, shared=None):
   """The engine's decode loop lowered on `decode_operands`' arguments (`shared`: cascade
   attention's block prefixes, None for plain paged attention)."""
-  from jaxrl_post.rollout.programs import decode_loop
-  return decode_loop.lower(params, pool, state, shared, cfg=model_cfg, steps=steps,
-                           truncation=truncation, layout=layout)
+  from jaxrl_post.rollout.programs import decode_program
+  return decode_program(layout).lower(params, pool, state, shared, cfg=model_cfg, steps=steps,
+                                   truncation=truncation, layout=layout)
 
 
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,

@@ -99,6 +99,6 @@ class CompileAheadMixin:
     operands = (self.params, *jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         (self.pool, self._device_slots)), None)
-    build = lambda rows: lambda: programs.decode_loop.lower(*operands, rows=rows,
-                                                            **static).compile()
+    program = programs.decode_program(self.layout)
+    build = lambda rows: lambda: program.lower(*operands, rows=rows, **static).compile()
     return {("decode", rows): build(rows) for rows in guesses}

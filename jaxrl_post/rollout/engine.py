@@ -432,7 +432,7 @@ class Engine(SlotBook, CompileAheadMixin):
                                                         self.config.decode_buckets)
     if self._ahead is not None:  # Never the same program compiled twice at once.
       self._ahead.wait(("decode", rows))
-    out = programs.decode_loop(
+    out = programs.decode_program(self.layout)(
         self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, rows=rows, truncation=self._truncating(),
         draws=bool(np.any(self._slots.temperature > 0.0)))

@@ -23,7 +23,7 @@ from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool, copy_pool_pages
 from jaxrl_post.rollout.sampling import sample_with_floors, token_keys
-from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules
+from jaxrl_post.sharding import ROLLOUT_RULES, activation_rules, mesh_platform
 
 
 class SlotState(NamedTuple):
@@ -58,11 +58,8 @@ def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
       top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "layout", "width", "rows",
-                                            "truncation", "draws"),
-                   donate_argnames=("pool", "state"))
 def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
-                 cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
+                cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
                  rows: int | None = None, truncation: bool = True, draws: bool = True):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
 
@@ -103,6 +100,24 @@ def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | N
   out_tokens, out_logprobs, out_experts, out_floors = outputs
   return (pool, state, whole(out_tokens), whole(out_logprobs), whole(state.active),
           whole(out_experts), whole(out_floors))
+
+
+_DECODE_JIT = dict(static_argnames=("cfg", "steps", "layout", "width", "rows", "truncation",
+                                   "draws"), donate_argnames=("pool", "state"))
+# XLA:GPU splits the contraction of a decode matmul (a few rows of activations against a
+# whole weight) into float32 partial sums, and each fusion that consumes the product (the
+# K and V page writes, the query's RoPE) re-reads all of them: at Llama-3.1-8B on 8 x H100
+# (tensor 2) that made the loop read 1.239x its floor of weights + KV; with one split it
+# reads 1.067x and launches 486 kernels per step instead of 550 (docs/BENCHMARKS.md).
+GPU_DECODE_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+_decode_jit = jax.jit(decode_loop, **_DECODE_JIT)
+_decode_gpu = jax.jit(decode_loop, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
+
+
+def decode_program(layout: RolloutLayout):
+  """decode_loop jitted for `layout`'s platform (call it, or `.lower` it, with
+  decode_loop's arguments): on a GPU with GPU_DECODE_OPTIONS."""
+  return _decode_gpu if mesh_platform(layout.mesh) == "gpu" else _decode_jit
 
 
 def _empty_outputs(cfg: ModelConfig, b: int, steps: int, truncation: bool):

@@ -57,10 +57,10 @@ def test_a_call_runs_at_the_width_of_its_live_slots_one_program_per_width(monkey
   engine = H.engine(num_slots=8, decode_buckets=4)  # Widths 2, 4, 6, 8.
   sampling = SamplingParams(temperature=0.0, max_tokens=9)
   prompts = H.prompts(np.random.default_rng(1), [3, 4, 5, 6, 7, 8, 9, 10])
-  before = programs.decode_loop._cache_size()
+  before = programs.decode_program(engine.layout)._cache_size()
   generate(engine, prompts[:1], sampling=sampling)
   assert seen and set(seen) == {2}  # One live slot: the narrowest width, every call.
-  assert programs.decode_loop._cache_size() <= before + 1
+  assert programs.decode_program(engine.layout)._cache_size() <= before + 1
   seen.clear()
   generate(engine, prompts, sampling=sampling)
   assert None in seen  # Every slot live at some call: all rows, no gather.
