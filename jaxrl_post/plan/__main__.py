@@ -10,7 +10,8 @@ the default), TPU slices (v4-8 ... v6e-256, compiled by libtpu on any host: pip 
 -e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x8, a100x8; compiled by XLA:GPU and
 Triton without a GPU with pip install -e '.[gpu-plan]', else planned from this host's
 programs). Exit status: 0 fits, 1 does not fit (after the report: use it as a pre-flight
-check), 2 bad input.
+check), 2 bad input. With --fit it searches bindings that make the config fit (plan.fit)
+and prints the fastest, ready to paste as --gin_param, with the runners-up.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--target", default="local",
                  help=f"hardware to plan for (one of: {', '.join(targets.known_targets())})")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.add_argument("--fit", action="store_true",
+                 help="search bindings (micro-batches, remat, reference dtype, rollout mesh, "
+                      "slots) for the fastest predicted step that fits the target")
+  p.add_argument("--fit_budget", type=int, default=6,
+                 help="most configs --fit compiles (each is a full plan)")
   compile_cache.add_cache_flag(p)
   return p
 
@@ -73,23 +79,52 @@ def run(argv: Sequence[str]) -> int:
   # A compile-only TPU client cannot load executables back from the persistent cache.
   on_tpu = target.chip is not None and target.chip.platform == "tpu"
   compile_cache.enable("off" if on_tpu else args.compilation_cache)
-  from jaxrl_post.pipeline import config
-  from jaxrl_post.plan import programs, report
-
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
-  config.parse(args.gin_file, [*args.gin_param, NO_DATA])
-  exp = config.build_experiment()
   found = targets.target_devices(target)
+  if args.fit:
+    return _fit(args, target, found)
+  try:
+    plan = _plan(args.gin_file, args.gin_param, target, found)
+  except _OutOfMemory as e:
+    return _out_of_memory(args, target, e.devices, e.message)
+  if args.json:
+    print(json.dumps(plan.as_json()))  # one line: scripts keep the last line
+  else:
+    from jaxrl_post.plan import report
+    print(report.text(plan))
+  return 0 if plan.fits else 1
+
+
+class _OutOfMemory(Exception):
+  def __init__(self, devices: int, message: str):
+    super().__init__(message)
+    self.devices, self.message = devices, message
+
+
+def _experiment(gin_files, gin_params):
+  from jaxrl_post.pipeline import config
+  config.parse(gin_files, [*gin_params, NO_DATA])
+  return config.build_experiment()
+
+
+def _devices(exp, found):
   devices = found.devices
-  if exp.placement.num_devices:
-    devices = devices[:exp.placement.num_devices]
+  return devices[:exp.placement.num_devices] if exp.placement.num_devices else devices
+
+
+def _plan(gin_files, gin_params, target, found):
+  """The Plan of the config (files + bindings) on `target`'s devices `found`."""
+  from jaxrl_post.plan import programs, report
+
+  exp = _experiment(gin_files, gin_params)
+  devices = _devices(exp, found)
   try:
     compiled = programs.compile_programs(exp, devices)
   except Exception as e:  # noqa: BLE001  (jax raises its runtime error type)
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    return _out_of_memory(args, target, len(devices), str(e))
+    raise _OutOfMemory(len(devices), str(e)) from e
   stats = True  # A target's memory is known; a local device may report none (the CPU).
   if target.chip is None:  # A known accelerator's published peaks: a short benchmark on a
     # GPU times its launches, not its peaks (an H100 measured 10 TFLOP/s and 0.96 TB/s).
@@ -101,13 +136,34 @@ def run(argv: Sequence[str]) -> int:
   else:
     share = target.chips / len(devices)  # a v4 chip shows as two devices
     chip = target.chip if share == 1 else _per_device(target.chip, share)
-  plan = report.build(compiled, target, chip, exp, len(devices), found.compiled_for,
+  return report.build(compiled, target, chip, exp, len(devices), found.compiled_for,
                       memory_stats=stats)
+
+
+def _fit(args, target, found) -> int:
+  """plan --fit: the fastest bindings that fit (plan.fit), printed ready to paste."""
+  from jaxrl_post.plan import fit
+  from jaxrl_post.sharding import build_meshes
+
+  def plan_with(bindings):
+    try:
+      return _plan(args.gin_file, [*args.gin_param, *bindings], target, found).as_json()
+    except _OutOfMemory as e:  # The compiler refused: as far from fitting as it gets.
+      raise UserError(f"the compiler refused a program: {e.message.splitlines()[0]}") from e
+
+  experiment = lambda bindings: _experiment(args.gin_file, [*args.gin_param, *bindings])
+  mesh = lambda exp: dict(build_meshes(exp.placement, _devices(exp, found)).rollout.shape)
+  log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+  candidates = fit.search(plan_with, experiment, mesh, budget=args.fit_budget, log=log)
   if args.json:
-    print(json.dumps(plan.as_json()))  # one line: scripts keep the last line
+    print(json.dumps({"target": target.name, "fits": candidates[0].fits, "candidates": [
+        {"bindings": list(c.bindings), "moves": list(c.moves), "fits": c.fits,
+         "peak_gb_per_device": c.peak if c.plan else None,
+         "predicted_step_s": c.step_s if c.plan else None, "error": c.error}
+        for c in candidates]}))
   else:
-    print(report.text(plan))
-  return 0 if plan.fits else 1
+    print(fit.report(candidates, target.name))
+  return 0 if candidates[0].fits else 1
 
 
 def _out_of_memory(args, target, devices: int, message: str) -> int:

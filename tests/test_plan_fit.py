@@ -1,0 +1,76 @@
+"""plan --fit: the search over bindings, and the command a user runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+from jaxrl_post.pipeline import config
+from jaxrl_post.plan import fit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs/quickstart.gin")
+
+
+def _experiment(bindings):
+  config.parse([QUICKSTART], list(bindings))
+  return config.build_experiment()
+
+
+def _fake_plan(capacity=10.0):
+  """A plan whose memory follows the bindings: micro-batches halve the train temp, the
+  reference in bf16 halves its copy, remat does nothing here; smaller peaks run slower."""
+  calls = []
+
+  def plan_with(bindings):
+    calls.append(list(bindings))
+    exp = _experiment(bindings)
+    temp = 8.0 / exp.trainer.micro_batches
+    reference = 2.0 if exp.reference.dtype == "float32" else 1.0
+    peak = 4.0 + temp + reference
+    return {"fits": peak <= capacity, "peak_gb_per_device": peak,
+            "predicted_s": {"step": 1.0 + exp.trainer.micro_batches / 10},
+            "memory_gb": {"train": {"temp": temp}},
+            "resident_gb": {"reference": reference, "rollout_weights": 0.5, "kv_pool": 0.1},
+            "kv_tokens": 100, "kv_tokens_needed": 50}
+  return plan_with, calls
+
+
+def test_the_search_takes_the_largest_saving_first_and_ranks_what_fits_by_step():
+  plan_with, calls = _fake_plan()
+  base = _experiment([])
+  found = fit.search(plan_with, _experiment, lambda exp: {"data": 1, "tensor": 1, "expert": 1},
+                     budget=4, log=lambda line: None)
+  best = found[0]
+  # 4 + 8 + 2 = 14 does not fit; micro-batches x2 (saving 4) comes first: 4 + 4 + 2 = 10.
+  assert best.fits and best.moves == ("micro_batches x2",)
+  assert best.bindings == (f"TrainerConfig.micro_batches = {2 * base.trainer.micro_batches}",)
+  assert [c.fits for c in found] == sorted((c.fits for c in found), reverse=True)
+  steps = [c.step_s for c in found if c.fits]
+  assert steps == sorted(steps) and len(calls) <= 4
+  assert not found[-1].fits and found[-1].moves == ()  # The config as it is.
+  # The winning bindings are what a user pastes: parsed, they build the planned config.
+  assert _experiment(best.bindings).trainer.micro_batches == 2 * base.trainer.micro_batches
+
+
+def test_bindings_are_gin_that_a_shell_can_quote():
+  line = fit.gin_binding("ModelSpec.overrides", {"remat": "full", "scale": 0.5})
+  assert line == 'ModelSpec.overrides = {"remat": "full", "scale": 0.5}' and "'" not in line
+  exp = _experiment([line.replace('{"remat": "full", "scale": 0.5}',
+                                  '{"remat": "full", "compute_dtype": "float32"}')])
+  assert exp.model.overrides["remat"] == "full"
+
+
+def test_plan_fit_on_the_quickstart_prints_the_fastest_bindings_and_the_runners_up():
+  env = dict(os.environ, JAXRL_COMPILATION_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                                 "off"))
+  out = subprocess.run([sys.executable, "-m", "jaxrl_post.plan", f"--gin_file={QUICKSTART}",
+                        "--fit", "--fit_budget=2", "--json"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  found = result["candidates"]
+  assert result["fits"] and len(found) == 2 and "fit: planning" in out.stderr
+  assert found[0]["predicted_step_s"] <= found[1]["predicted_step_s"]
+  for c in found:
+    _experiment(c["bindings"])  # Each candidate's bindings parse and build.
