@@ -17,23 +17,32 @@ def _experiment(bindings):
   return config.build_experiment()
 
 
-def _fake_plan(capacity=10.0):
+def _fake_plan(capacity=10.0, rollout_weights=0.0):
   """A plan whose memory follows the bindings: micro-batches halve the train temp, the
-  reference in bf16 halves its copy, remat does nothing here; smaller peaks run slower."""
+  reference in bf16 halves its copy, a wider rollout tensor split divides its weights,
+  remat does nothing here; more micro-batches run slower."""
   calls = []
 
   def plan_with(bindings):
     calls.append(list(bindings))
     exp = _experiment(bindings)
-    temp = 8.0 / exp.trainer.micro_batches
+    micro = exp.trainer.micro_batches
+    temp = 8.0 / micro
     reference = 2.0 if exp.reference.dtype == "float32" else 1.0
-    peak = 4.0 + temp + reference
+    weights = rollout_weights / exp.placement.rollout_mesh.tensor
+    peak = 4.0 + temp + reference + weights
     return {"fits": peak <= capacity, "peak_gb_per_device": peak,
-            "predicted_s": {"step": 1.0 + exp.trainer.micro_batches / 10},
+            "predicted_s": {"step": 1.0 + micro / 10},
             "memory_gb": {"train": {"temp": temp}},
-            "resident_gb": {"reference": reference, "rollout_weights": 0.5, "kv_pool": 0.1},
+            "resident_gb": {"reference": reference, "rollout_weights": weights,
+                            "kv_pool": 0.1},
             "kv_tokens": 100, "kv_tokens_needed": 50}
   return plan_with, calls
+
+
+def _rollout_mesh(exp):
+  m = exp.placement.rollout_mesh
+  return {"data": 2 // m.tensor, "tensor": m.tensor, "expert": 1}
 
 
 def test_the_search_takes_the_largest_saving_first_and_ranks_what_fits_by_step():
@@ -51,6 +60,22 @@ def test_the_search_takes_the_largest_saving_first_and_ranks_what_fits_by_step()
   assert not found[-1].fits and found[-1].moves == ()  # The config as it is.
   # The winning bindings are what a user pastes: parsed, they build the planned config.
   assert _experiment(best.bindings).trainer.micro_batches == 2 * base.trainer.micro_batches
+
+
+def test_a_move_made_early_is_taken_back_once_others_free_enough():
+  """Micro-batches x2 (the largest estimated saving) fits first but runs slower; a wider
+  rollout split frees enough to take it back: the split alone wins."""
+  plan_with, _ = _fake_plan(capacity=16.0, rollout_weights=4.0)  # 4 + 8 + 2 + 4 = 18 GB
+  found = fit.search(plan_with, _experiment, _rollout_mesh, budget=10, log=lambda line: None)
+  best = found[0]
+  assert best.fits and best.moves == ("rollout tensor x2",) and best.peak == 16.0
+  assert best.bindings == ("rollout_mesh/MeshConfig.data = 1",
+                           "rollout_mesh/MeshConfig.expert = 1",
+                           "rollout_mesh/MeshConfig.fsdp = 1",
+                           "rollout_mesh/MeshConfig.tensor = 2")
+  assert all(best.step_s <= c.step_s for c in found[1:] if c.fits)
+  slower = [c for c in found if c.fits and "micro_batches x2" in c.moves]
+  assert slower and all(c.step_s > best.step_s for c in slower)  # among the runners-up
 
 
 def test_bindings_are_gin_that_a_shell_can_quote():

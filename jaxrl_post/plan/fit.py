@@ -12,11 +12,12 @@ search is greedy over moves that each relieve one part of a device's memory:
   instead of replicated (fewer, wider decode replicas);
 * slots / 2: half the KV the engine's slots need at the longest sequence.
 
-While the config does not fit, the move whose estimated saving (from the last plan's
-memory breakdown) is largest is compiled next; a move that does not lower the peak is
-dropped. Once a candidate fits, the remaining moves are tried from it within the compile
-budget, and every candidate that fits is ranked by predicted step time: the fastest wins,
-the others are the runners-up.
+A local search over sets of moves. While the config does not fit, the move whose
+estimated saving (from the last plan's memory breakdown) is largest is planned next and
+kept if it lowers the peak. Once a set fits, each of its moves is taken back in turn and
+the others added (a leaner set may let a slower move go), keeping what still fits and is
+faster, or as fast and leaner. Every candidate that fits is ranked by predicted step:
+the fastest wins, the others are the runners-up.
 """
 
 from __future__ import annotations
@@ -124,49 +125,92 @@ def gin_binding(name: str, value) -> str:
   return f"{name} = {gin_value(value)}"
 
 
+def _bindings_for(moves: frozenset, experiment: Callable, rollout_mesh: Callable):
+  """The bindings of a set of moves, applied in MOVES order (each sees the config the
+  earlier ones made); None if one of them does not apply."""
+  bindings: dict = {}
+  for m in MOVES:
+    if m.name in moves:
+      exp = experiment(_lines(bindings))
+      extra = m.bindings(exp, rollout_mesh(exp))
+      if extra is None:
+        return None
+      bindings.update(extra)
+  return bindings
+
+
+def _lines(bindings: dict) -> list[str]:
+  return [gin_binding(k, v) for k, v in sorted(bindings.items())]
+
+
+def _neighbours(current: Candidate, moves: frozenset) -> list[frozenset]:
+  """Move sets one move away, in the order worth trying: while it does not fit, moves by
+  their estimated saving; once it fits, first each move taken back (memory moves cost
+  speed: micro-batches and remat recompute, narrower replicas decode fewer sequences at
+  once), then the others (one may free enough to take another back)."""
+  adds = sorted((m for m in MOVES if m.name not in moves),
+                key=lambda m: -m.saving_gb(current.plan))
+  added = [moves | {m.name} for m in adds]
+  if not current.fits:
+    return added
+  return [moves - {m.name} for m in MOVES if m.name in moves] + added
+
+
+def _better(nxt: Candidate, current: Candidate) -> bool:
+  if not current.fits:
+    return nxt.fits or nxt.peak < current.peak
+  faster = nxt.step_s < current.step_s * (1 - 1e-3)
+  leaner = nxt.step_s <= current.step_s * 1.02 and nxt.peak < current.peak
+  return nxt.fits and (faster or leaner)
+
+
 def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
            budget: int = 6, log: Callable[[str], None] = print) -> list[Candidate]:
   """Candidates planned, best first (fitting ones by predicted step, then the rest by peak).
 
+  A local search over sets of moves: from the current set, the first untried neighbour
+  (see _neighbours) is planned and becomes current if _better; it stops when `budget`
+  configs were compiled or no neighbour is left.
   plan_with(bindings) -> Plan json; experiment(bindings) -> the Experiment they build;
-  rollout_mesh(exp) -> its rollout mesh's axis sizes; budget: most configs compiled.
+  rollout_mesh(exp) -> its rollout mesh's axis sizes.
   """
-  seen: dict[tuple, Candidate] = {}
+  seen: dict[frozenset, Candidate] = {}
+  inapplicable: set[frozenset] = set()
 
-  def plan(bindings: dict, moves: tuple) -> Candidate:
-    key = tuple(gin_binding(k, v) for k, v in sorted(bindings.items()))
-    if key not in seen:
-      log(f"fit: planning {' + '.join(moves) or 'the config as it is'}")
-      try:
-        seen[key] = Candidate(key, moves, plan_with(list(key)))
-      except UserError as e:  # A move this config cannot take (a mesh that does not divide).
-        seen[key] = Candidate(key, moves, None, str(e))
-      c = seen[key]
-      log(f"fit:   {'fits' if c.fits else 'does not fit'}, peak {c.peak:.2f} GB, "
-          f"step {c.step_s:.3f} s" if c.plan else f"fit:   not plannable: {c.error}")
-    return seen[key]
+  def plan(moves: frozenset, bindings: dict) -> Candidate:
+    names = tuple(m.name for m in MOVES if m.name in moves)
+    log(f"fit: planning {' + '.join(names) or 'the config as it is'}")
+    lines = tuple(_lines(bindings))
+    try:
+      c = Candidate(lines, names, plan_with(list(lines)))
+    except UserError as e:  # A move this config cannot take (a mesh that does not divide).
+      c = Candidate(lines, names, None, str(e))
+    log(f"fit:   {'fits' if c.fits else 'does not fit'}, peak {c.peak:.2f} GB, "
+        f"step {c.step_s:.3f} s" if c.plan else f"fit:   not plannable: {c.error}")
+    seen[moves] = c
+    return c
 
-  current = plan({}, ())
+  moves = frozenset()
+  current = plan(moves, {})
   if current.plan is None:
     raise UserError(f"plan --fit: the config itself cannot be planned: {current.error}")
-  bindings, tried = {}, set()
   while len(seen) < budget:
-    exp = experiment(list(current.bindings))
-    mesh = rollout_mesh(exp)
-    options = [(m.saving_gb(current.plan), m, m.bindings(exp, mesh)) for m in MOVES
-               if m.name not in tried]
-    options = [o for o in options if o[2] is not None]
-    if not options:
+    for option in _neighbours(current, moves):
+      if option in seen or option in inapplicable:
+        continue
+      bindings = _bindings_for(option, experiment, rollout_mesh)
+      if bindings is None:
+        inapplicable.add(option)
+        continue
+      nxt = plan(option, bindings)
+      if _better(nxt, current):
+        current, moves = nxt, option
       break
-    _, move, extra = max(options, key=lambda o: o[0])
-    tried.add(move.name)
-    nxt = plan({**bindings, **extra}, current.moves + (move.name,))
-    better = (nxt.fits and (not current.fits or nxt.step_s < current.step_s)) or (
-        not current.fits and nxt.peak < current.peak)
-    if better:
-      current, bindings = nxt, {**bindings, **extra}
-  fitting = sorted((c for c in seen.values() if c.fits), key=lambda c: c.step_s)
-  rest = sorted((c for c in seen.values() if not c.fits), key=lambda c: c.peak)
+    else:
+      break
+  planned = [c for c in seen.values() if c.plan is not None]
+  fitting = sorted((c for c in planned if c.fits), key=lambda c: c.step_s)
+  rest = sorted((c for c in planned if not c.fits), key=lambda c: c.peak)
   return fitting + rest
 
 
