@@ -10,7 +10,8 @@
 # JAXRL_TEST_TIMEOUT seconds (default 900) fails with its stacks, so a hang costs minutes.
 # A test file whose tests together take longer than tests/suite_health.FILE_BUDGET_S fails
 # the run (unless its long tests say why with slow(reason=...)); the suite's wall time and
-# its 25 slowest tests are printed at the end.
+# its 25 slowest tests are printed at the end. Files whose module fixture is a whole run
+# carry an xdist_group mark, so one worker builds it (--dist loadgroup) instead of each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,7 +26,7 @@ cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
 start=$(date +%s)
 rc=0
-.venv/bin/python -m pytest -q -n "$workers" --durations=25 \
+.venv/bin/python -m pytest -q -n "$workers" --dist loadgroup --durations=25 \
   --timeout="${JAXRL_TEST_TIMEOUT:-900}" \
   -m "not sweep" "$@" || rc=$?
 echo "test: the suite took $(( $(date +%s) - start )) s of wall time on $workers workers"

@@ -26,6 +26,10 @@ from jaxrl_post.models.transformer import init_lora, init_model, params_of, with
 from jaxrl_post.pipeline.trained import load_trained
 from tests.xla import host_flags
 
+# One worker runs this file: its module fixture (a run or a pool) is built once, not
+# once per worker (scripts/test.sh distributes by --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("export")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "tiny_llama")
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.gin")

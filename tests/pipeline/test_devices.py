@@ -96,6 +96,11 @@ def baseline(tmp_path_factory):
   return get
 
 
+# The tests that compare with the module's one-device run share one worker, which runs it once.
+BASELINE = pytest.mark.xdist_group("devices-baseline")
+
+
+@BASELINE
 @pytest.mark.slow(reason="the training command on 1 and on 8 devices")
 @pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.sweep), 8])
 def test_default_placement_gives_the_one_device_run_on(devices, baseline):
@@ -179,6 +184,7 @@ SPLIT_UNEVEN = ["--gin_param=PlacementConfig.mode = 'split'",
                 "--gin_param=PlacementConfig.trainer_devices = 2"]
 
 
+@BASELINE
 @pytest.mark.slow(reason="two processes of the training command, twice (run and resume)")
 @pytest.mark.parametrize("split", [SPLIT, pytest.param(SPLIT_UNEVEN, marks=pytest.mark.sweep)],
                          ids=["4_and_4", "2_and_6"])

@@ -10,6 +10,10 @@ import pytest
 
 from jaxrl_post.rewards import ArithmeticTask, VerifierPool
 
+# One worker runs this file: its module fixture (a run or a pool) is built once, not
+# once per worker (scripts/test.sh distributes by --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("overlap")
+
 WORKERS = 4
 PROMPTS, K, NEW_TOKENS = 16, 4, 48
 # Small enough that the train step is short beside a decode of one token per device call.

@@ -16,6 +16,10 @@ from jaxrl_post.rewards import TASKS, HumanEvalTask, Problem
 from jaxrl_post.rewards.humaneval import assemble_program, extract_code, packaged_data_path
 from tests.xla import host_flags
 
+# One worker runs this file: its module fixture (a run or a pool) is built once, not
+# once per worker (scripts/test.sh distributes by --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("humaneval")
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
