@@ -66,7 +66,10 @@ class RunTelemetry:
     self.decode = _DecodeCounter(run_)
     self.alarms = AlarmMonitor(exp.alarms, log=self._alarm_log)
     self._replay(workdir, start_step)
-    self.compiled = _train_program_memory(run_)
+    # Like the memory stats, only where device memory is what bounds the run: on the CPU
+    # the analysis would trace and lower a second train step for it (6 of a short run's
+    # 41 s, with every program already in the compilation cache).
+    self.compiled = {} if first.platform == "cpu" else _train_program_memory(run_)
     self._undo = []
     if self.trace is not None and spec.trace_calls:
       engine = run_.engine

@@ -53,12 +53,13 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert step["weight_version"] == 1 and records[5]["weight_version"] == 5
   assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4, 5]
   assert "sft/final_loss" in records[0]
-  # Telemetry: the train program's memory, MFU against this host's measured matmul rate,
-  # the alarms (none fire), the role timeline and the report, whose path the run prints.
-  for key in ("memory/train_program/peak_bytes", "perf/train_mfu_vs_cpu_measured_matmul",
-              "train/tokens_per_s", "alarm/step_time", "alarm/verifier_failures"):
+  # Telemetry: MFU against this host's measured matmul rate, the alarms (none fire), the
+  # role timeline and the report, whose path the run prints. No memory figures: the CPU
+  # reports no device memory, and its train program is not analysed for them.
+  for key in ("perf/train_mfu_vs_cpu_measured_matmul", "train/tokens_per_s",
+              "alarm/step_time", "alarm/verifier_failures"):
     assert key in step, key
-  assert not any(k.startswith("memory/") and "train_program" not in k for k in step)  # CPU
+  assert not any(k.startswith("memory/") for k in step)
   assert not any(v for k, v in records[-1].items() if k.startswith("alarm/"))
   roles = {e["name"] for e in read_trace(str(workdir / "trace.json")) if e.get("cat") == "role"}
   assert {"rollout", "reward", "train", "sync"} <= roles
