@@ -3,6 +3,7 @@
 import os as _os
 
 from jaxrl_post import _checkout, _cuda, _libtpu
+from jaxrl_post.plugins import register  # Your own task or environment, in gin.
 
 __version__ = "0.1.0"
 

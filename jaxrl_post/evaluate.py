@@ -1,6 +1,7 @@
 """Held-out evaluation on its own: python -m jaxrl_post.evaluate --gin_file=configs/X.gin.
 
   --gin_file, --gin_param   the run's config (task, eval size, prompts, engine, placement)
+  --gin_import MODULE       import a module of your own tasks (jaxrl_post.register) first
   --checkpoint WORKDIR      evaluate a run's checkpoint (newest, or --step N)
   --model NAME_OR_PATH      or a model: embedded name, GGUF file, Hugging Face directory
                             (default: the config's ModelSpec, as a run starts from it)
@@ -29,7 +30,7 @@ import json
 import sys
 from typing import Callable
 
-from jaxrl_post import compile_cache
+from jaxrl_post import compile_cache, plugins
 from jaxrl_post.errors import UserError
 
 
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                               description="Held-out greedy accuracy of a policy.")
   p.add_argument("--gin_file", action="append", default=[], help="gin config file")
   p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
+  plugins.add_import_flag(p)
   p.add_argument("--checkpoint", default=None, metavar="WORKDIR", help="a run's checkpoint")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   p.add_argument("--model", default=None, help="embedded name, GGUF file or HF directory")
@@ -130,6 +132,7 @@ def run(args, say: Callable[[str], None] = print) -> dict:
 
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
+  plugins.import_modules(args.gin_import)
   config.parse(args.gin_file, args.gin_param)
   exp = config.build_experiment()
   for line in read_lines(exp.task):  # Before the model loads: a data mistake shows at once.

@@ -2,6 +2,8 @@
 
   --gin_file=FILE       gin config (repeatable; later files override earlier ones)
   --gin_param=BINDING   one binding, e.g. --gin_param='Experiment.steps = 50' (repeatable)
+  --gin_import=MODULE   import a module of your own tasks or environments (registered with
+                        jaxrl_post.register) before the gin files are parsed (repeatable)
   --workdir=DIR         checkpoints, metrics.jsonl, TensorBoard events, the resolved config
   --compilation_cache=PATH|off
                         persistent XLA compilation cache (default: $JAXRL_COMPILATION_CACHE,
@@ -29,7 +31,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from jaxrl_post import compile_cache
+from jaxrl_post import compile_cache, plugins
 from jaxrl_post.errors import UserError
 
 
@@ -38,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
                               description="RL post-training (GRPO/PPO) of a language model.")
   p.add_argument("--gin_file", action="append", default=[], help="gin config file")
   p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
+  plugins.add_import_flag(p)
   p.add_argument("--workdir", default=None,
                  help="run directory (default: runs/<first gin file's name>)")
   p.add_argument("--distributed", choices=("off", "auto"), default="off",
@@ -99,7 +102,8 @@ def prepare(argv: Sequence[str]):
   for path in args.gin_file:
     if not os.path.isfile(path):
       raise UserError(f"{path}: no such gin file")
-  config.parse(args.gin_file, args.gin_param)
+  plugins.import_modules(args.gin_import)
+  config.parse(args.gin_file, [*plugins.import_lines(args.gin_import), *args.gin_param])
   exp = config.build_experiment()
   workdir = args.workdir or os.path.join(
       "runs", os.path.splitext(os.path.basename(args.gin_file[0]))[0])

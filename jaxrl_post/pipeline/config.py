@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import gin
 
+from jaxrl_post import plugins
 from jaxrl_post.checkpoint import CheckpointConfig
 from jaxrl_post.data.prompts import PromptConfig
 from jaxrl_post.errors import UserError
@@ -380,6 +381,28 @@ for _cls in (AgentSpec, GuessingGame, ToolArithmetic, HumanEvalFeedback):
   _register(_cls)
 for _cls in (ProfileSpec, AlarmSpec):
   _register(_cls)
+
+
+def _register_plugin(cls: type) -> None:
+  """A class of the user's (jaxrl_post.register): like a built-in, unless its name is taken.
+
+  A class registered already (a built-in included) stays as it is: registering it twice
+  names no other class, so it is no mistake.
+  """
+  name = cls.__name__
+  if name in CONFIGURABLES:
+    taken = next(c for c, n in _NAMES.items() if n == name)
+    if taken is cls:
+      return
+    raise UserError(f"register: {cls.__module__}.{cls.__qualname__}: the name {name!r} is "
+                    f"taken by {taken.__module__}.{taken.__qualname__}; rename the class")
+  try:
+    _register(cls)
+  except ValueError as e:  # gin's own registry holds the name (a gin.configurable).
+    raise UserError(f"register: {cls.__module__}.{cls.__qualname__}: {_first_lines(e)}") from e
+
+
+plugins.attach(_register_plugin)
 
 
 @gin.configurable
