@@ -67,6 +67,21 @@ def test_a_module_that_does_not_import_is_one_error_line(tmp_path):
   assert not (tmp_path / "run").exists()  # Nothing was written: no work started.
 
 
+def test_plan_reads_the_same_config_with_the_same_flag():
+  """plan parses the config's bindings of the user's classes too; without the module it
+  says which flag is missing."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_flags(1))
+  plan = lambda *flags: subprocess.run([sys.executable, "-m", "jaxrl_post.plan", *flags,
+                                        "--json"], cwd=ROOT, env=env, capture_output=True,
+                                       text=True, timeout=600)
+  done = plan(*EXAMPLE)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert json.loads(done.stdout.strip().splitlines()[-1])["fits"] is True
+  done = plan(*EXAMPLE[1:])
+  assert done.returncode == 2 and "'@ReverseTask()'" in done.stderr
+  assert "--gin_import=MODULE" in done.stderr
+
+
 @pytest.mark.parametrize("module,expected", [
     ("examples/my_task.py", "not a module name; give one as Python imports it, e.g. "
                             "'examples.my_task', not a path"),

@@ -417,7 +417,9 @@ def parse(gin_files: list[str], bindings: list[str]) -> None:
   try:
     gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
   except (ValueError, KeyError, SyntaxError, TypeError) as e:
-    raise UserError(f"gin: {_first_lines(e)}") from e
+    hint = (" (a class of your own? load its module with --gin_import=MODULE)"
+            if "No configurable matching" in str(e) else "")
+    raise UserError(f"gin: {_first_lines(e)}{hint}") from e
   except OSError as e:
     raise UserError(f"gin: cannot read config file: {e}") from e
 

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxrl_post import compile_cache
+from jaxrl_post import compile_cache, plugins
 from jaxrl_post.errors import UserError
 from jaxrl_post.plan import targets
 
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--fit_budget", type=int, default=6,
                  help="most configs --fit compiles (each is a full plan)")
   compile_cache.add_cache_flag(p)
+  plugins.add_import_flag(p)
   return p
 
 
@@ -81,6 +82,7 @@ def run(argv: Sequence[str]) -> int:
   compile_cache.enable("off" if on_tpu else args.compilation_cache)
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
+  plugins.import_modules(args.gin_import)  # The config may bind the user's own classes.
   found = targets.target_devices(target)
   if args.fit:
     return _fit(args, target, found)
