@@ -138,3 +138,40 @@ def test_bench_scale_quick_prints_every_key(capsys):
   assert 0 < out["train_flops_per_device_ratio_8v1"] < 0.5
   assert out["rollout_mesh_greedy_equal"] is True
   assert out["compiled_shapes_20_steps"] > 0
+
+
+def _quickstart(name: str, *bindings: str):
+  from jaxrl_post.pipeline import config
+  small = ["RolloutSpec.prompts_per_step = 4", "RolloutSpec.group_size = 4",
+           "EngineConfig.num_slots = 16", "EngineConfig.group_slots = 4"]
+  config.parse([os.path.join(ROOT, "configs", name)],
+               [*small, "PlacementConfig.num_devices = 1", "PoolConfig.num_pages = None",
+                *bindings])
+  return config.build_experiment()
+
+
+def test_an_asynchronous_run_holds_more_rollout_weight_versions_and_a_smaller_pool():
+  """The quickstart and its asynchronous twin (which differ in schedule and AsyncSpec only,
+  so share their programs): lag 1 keeps 2 more rollout copies alive through every phase
+  (pipelined.versions_in_flight), lag 2 keeps 3; a pool sized by memory gets what a device
+  that much smaller would give it."""
+  from jaxrl_post.plan import programs, report, targets
+  devices, capacity = jax.devices()[:1], 1 << 30
+  sync = _quickstart("quickstart.gin")
+  p = programs.compile_programs(sync, devices)
+  copy = plan.rollout_bytes(p.model, p.meshes.rollout, sync.sync.rollout_dtype)
+  assert copy == 4 * p.model.num_params  # float32 rollout weights on one device
+  base = report._memory_plan(p, sync, capacity)
+  assert base.in_flight_bytes == 0
+  for exp, copies in ((_quickstart("quickstart_async.gin"), 2),
+                      (_quickstart("quickstart_async.gin", "AsyncSpec.max_staleness = 4"), 3)):
+    mem = report._memory_plan(p, exp, capacity)
+    assert mem.in_flight_bytes == copies * copy
+    assert {k: v - base.phases[k] for k, v in mem.phases.items()} == dict.fromkeys(
+        base.phases, copies * copy)
+    assert mem.kv_pages == report._memory_plan(p, sync, capacity - copies * copy).kv_pages
+    assert mem.kv_pages < base.kv_pages
+  chip = report.local_chip(devices, 1e12, 1e11, capacity)
+  built = report.build(p, targets.resolve("local", 1), chip, exp, 1)
+  assert built.resident_gb["rollout_weights_in_flight"] == round(3 * copy / plan.GB, 3) > 0
+  assert "of versions in flight" in report.text(built)

@@ -181,27 +181,41 @@ class RLRun:
     Colocated on a device that reports its memory, a pool sized by memory_fraction takes
     that share of what is free once the train step's own peak (compiled on abstract
     inputs: activations, gradients, outputs) is set aside, so training never runs short
-    beside a pool that lives for the whole run.
+    beside a pool that lives for the whole run. The rollout weight versions an
+    asynchronous run keeps alive beside the engine's are set aside too, colocated or not:
+    they are made after the pool (pipelined.versions_in_flight).
     """
     exp, cfg = self.exp, self.exp.rollout.engine
     longest = exp.prompts.max_prompt_tokens + self._completion_budget()
     if cfg.max_seq_len is None:
       cfg = dataclasses.replace(cfg, max_seq_len=longest)
-    pool = cfg.pool
+    pool, copies = cfg.pool, self._rollout_versions_in_flight()
     if (pool.num_pages is not None or pool.memory_bytes is not None
-        or not self.meshes.colocated):
+        or not (self.meshes.colocated or copies)):
       return cfg
     local = [d for d in self.meshes.rollout.devices.flat if d.process_index == jax.process_index()]
-    if free_device_bytes(local[0]) is None:  # Stats exist only for this process's devices.
+    if not local or free_device_bytes(local[0]) is None:  # Stats exist only for local devices.
       return cfg
-    step = self.train_step_plan()
-    self.log(f"kv pool: {pool.memory_fraction:.2f} of the memory free beside the weights, "
-             f"{step.transient_bytes / 1e9:.2f} GB left to a train step peaking at "
-             f"{step.peak_bytes / 1e9:.2f} GB")
+    reserved = copies * plan.rollout_bytes(self.model_cfg, self.meshes.rollout,
+                                           exp.sync.rollout_dtype)
+    if copies:
+      self.log(f"kv pool: {reserved / 1e9:.2f} GB left to {copies} more rollout weight "
+               "versions held in flight")
+    if self.meshes.colocated:
+      step = self.train_step_plan()
+      self.log(f"kv pool: {pool.memory_fraction:.2f} of the memory free beside the weights, "
+               f"{step.transient_bytes / 1e9:.2f} GB left to a train step peaking at "
+               f"{step.peak_bytes / 1e9:.2f} GB")
+      reserved += step.transient_bytes
     # The engine sizes the pool once its own weights are in place (rollout.pages.pool_pages,
     # the rule the planner predicts with).
     return dataclasses.replace(cfg, pool=dataclasses.replace(
-        pool, reserved_bytes=pool.reserved_bytes + step.transient_bytes))
+        pool, reserved_bytes=pool.reserved_bytes + reserved))
+
+  def _rollout_versions_in_flight(self) -> int:
+    """Rollout weight copies alive beside the engine's one at most (none here: each sync
+    writes the new weights into the old ones' buffers)."""
+    return 0
 
   def train_step_plan(self):
     """The train step compiled on abstract inputs of the largest micro-batch (its memory

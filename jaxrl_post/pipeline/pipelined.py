@@ -24,13 +24,22 @@ steps s + 1 .. s + lag (they need no weights newer than s - 1), saves them and t
 stream's position beside the train state, and only then releases step s to the rollout
 thread (step s + 1 + lag, the first that reads past the saved position, waits for it).
 A restarted run trains on the saved batches and draws the rest with the restored weights.
-A batch whose tokens are staler than the bound is dropped and counted, never trained on
-(by construction none is; the check guards the invariant).
+
+A batch whose tokens are staler than the bound (by construction none is; the check guards
+the invariant) is never trained on: it is dropped, its groups counted in
+async/dropped_groups, and the trainer draws the step's batch again itself, with the newest
+weights (version step - 1, the synchronous loop's: within every bound), the same prompts
+round by round and the same seeds. The redraw is a function of the step as the dropped
+batch was, so a resumed run redraws what the uninterrupted one did, and it leaves the
+prompt stream, which the thread reads ahead, where it was.
 
 The engine gets new weights between decode calls (Engine.set_weights: launched calls keep
 the weights they were launched with, and the prefix cache is cleared, so no cached K/V
 crosses versions); each version is a fresh copy, never donated while the engine may read it.
-Evaluation borrows the engine between batches, with the trainer's newest weights.
+So up to lag + 2 rollout copies are alive at once, lag + 1 more than the synchronous
+loop's one (`versions_in_flight`): the KV pool is sized with their bytes set aside, and the
+planner counts them. Evaluation borrows the engine between batches, with the trainer's
+newest weights.
 """
 
 from __future__ import annotations
@@ -47,8 +56,8 @@ import numpy as np
 
 from jaxrl_post.envs import Environment
 from jaxrl_post.errors import UserError
+from jaxrl_post.pipeline import dynamic, rollouts
 from jaxrl_post.pipeline.agent import AgentRLRun
-from jaxrl_post.pipeline.config import AsyncSpec
 from jaxrl_post.pipeline.loop import Progress, RLRun
 from jaxrl_post.sharding import RolloutWeights
 from jaxrl_post.telemetry import StepTimer
@@ -195,6 +204,8 @@ class AsyncRLRun(RLRun):
   def start(self) -> Progress:
     resuming = self.checkpointer.latest_step() is not None
     progress = super().start()
+    self.counters.update({k: progress.counters[k] for k in self.counters
+                          if k in progress.counters})  # Counts before the restart.
     queued = self._load_queue(progress.step) if resuming else []
     first = progress.step + 1 + len(queued)
     self.ahead = _Ahead(self, first, self.exp.steps)
@@ -216,13 +227,18 @@ class AsyncRLRun(RLRun):
   def _sample(self, step: int, timer):
     with timer.role("wait_data"):
       item = self.ahead.take(step)
-    hist = self._staleness_hist(step, item.batch.groups)
-    staleness = max(i for i, n in enumerate(hist) if n) if any(hist) else 0
-    metrics = dict(item.metrics)
+    batch, drawn, metrics = item.batch, item.drawn, dict(item.metrics)
+    hist = self._staleness_hist(step, batch.groups)
     if len(hist) > self.max_staleness + 1:  # Never trained on (the schedule makes none).
-      self.counters["async/dropped_groups"] += len(item.batch.groups)
-      raise RuntimeError(f"async: step {step}'s batch has tokens {staleness} optimizer steps "
-                         f"stale, over max_staleness={self.max_staleness}")
+      self.counters["async/dropped_groups"] += len(batch.groups)
+      self.log(f"async: step {step}'s batch has tokens {len(hist) - 1} optimizer steps "
+               f"stale, over max_staleness={self.max_staleness}: dropped, drawn again")
+      batch, drawn, metrics = self._redraw(step, item, timer)
+      hist = self._staleness_hist(step, batch.groups)
+      if len(hist) > self.max_staleness + 1:
+        raise RuntimeError(f"async: step {step}'s redrawn batch is {len(hist) - 1} "
+                           f"optimizer steps stale, over max_staleness={self.max_staleness}")
+    staleness = max(i for i, n in enumerate(hist) if n) if any(hist) else 0
     queued = self.ahead.queue_depth()
     metrics.update({"async/staleness": staleness, "async/staleness_hist": hist,
                     "async/lag_steps": self.lag, "async/rollout_s": item.seconds,
@@ -230,7 +246,44 @@ class AsyncRLRun(RLRun):
                     "async/queued_groups": queued * self.exp.rollout.prompts_per_step,
                     "async/rollout_idle_s": self.ahead.idle_s, **self.counters})
     self.ahead.idle_s = 0.0
-    return item.batch, item.drawn, metrics
+    return batch, drawn, metrics
+
+  def _redraw(self, step: int, dropped: _Drawn, timer):
+    """Step `step`'s batch drawn again here, with the newest weights (see the module
+    docstring): each round the dropped batch drew, its prompts and seeds again. Dynamic
+    sampling may take as many rounds as the dropped batch did, no more: further prompts
+    would come from the stream, where the thread has read on."""
+    p = self.exp.rollout.prompts_per_step
+    groups = dropped.drawn.groups
+    rounds = [groups[i:i + p] for i in range(0, len(groups), p)]
+    draw = lambda round_: self._draw_again(step, round_, rounds[round_], timer)
+    spec = self.exp.dynamic_sampling
+    with self.ahead.engine_lock:  # Between two batches; the thread resets its weights.
+      self.engine.set_weights(self.rollout.params, self.rollout.version)
+      if spec is None:
+        batch = draw(0)
+        return batch, batch, {"async/weight_swaps": 0}
+      batch, drawn, counts = dynamic.refill(
+          draw, p, self.exp.rollout.group_size,
+          dataclasses.replace(spec, max_extra_rounds=len(rounds) - 1))
+    return batch, drawn, {**counts, "async/weight_swaps": 0}
+
+  def _draw_again(self, step: int, round_: int, groups, timer) -> dynamic.Drawn:
+    """Rollout round `round_` of a redraw: RLRun._draw on the prompts of `groups`, not
+    the stream's next ones (scored under their own tag: no key meets the dropped one's)."""
+    exp = self.exp
+    scoring = rollouts.Scoring(self.pool, self.tokenizer, f"train/redraw{round_}", step)
+    with timer.role("rollout"):
+      t0 = time.perf_counter()
+      fresh = rollouts.sample_groups(self.engine, [g.problem for g in groups],
+                                     [g.prompt for g in groups], exp.rollout.group_size,
+                                     self.sampling, exp.rollout.scheduler,
+                                     dynamic.round_seed(exp.seed, round_), step,
+                                     on_group=scoring.submit)
+      seconds = time.perf_counter() - t0
+    with timer.role("reward"):
+      rewards, stats = scoring.results(fresh)
+    return dynamic.Drawn(fresh, rewards, stats, seconds)
 
   def _staleness_hist(self, step: int, groups) -> list[int]:
     """Completion tokens per staleness in optimizer steps: between the weights that
@@ -261,6 +314,9 @@ class AsyncRLRun(RLRun):
       self.ahead.publish(self.rollout.version, self.rollout.params)
     return {"sync/bytes": self.sync.bytes_per_sync}
 
+  def _rollout_versions_in_flight(self) -> int:
+    return versions_in_flight(self.exp)
+
   def _saves_after(self, step: int) -> bool:
     return step % self.exp.checkpoint.every_n_steps == 0 or step == self.exp.steps
 
@@ -272,10 +328,13 @@ class AsyncRLRun(RLRun):
   # ------------------------------------------------------------------ checkpoints
 
   def save(self, progress: Progress) -> None:
+    progress.counters.update(self.counters)
     queued = self.ahead.wait_drawn(progress.step + self.lag) if self.ahead else []
     if jax.process_index() == 0:
       self._write_queue(progress.step, queued)
-    super().save(progress)
+    super().save(progress)  # Returns with the checkpoints before this one complete on disk.
+    if jax.process_index() == 0:
+      self._drop_old_queues(progress.step)
     if self.ahead is not None:
       self.ahead.publish(self.rollout.version, self.rollout.params)
 
@@ -289,11 +348,16 @@ class AsyncRLRun(RLRun):
     with open(path + ".tmp", "wb") as f:
       pickle.dump({"step": step, "lag": self.lag, "batches": queued}, f)
     os.replace(path + ".tmp", path)
-    for name in os.listdir(os.path.dirname(path)):  # Queues of checkpoints Orbax dropped.
+
+  def _drop_old_queues(self, step: int) -> None:
+    """Removes the queues of checkpoints Orbax dropped. Only once the checkpoints before
+    `step` are complete: one still being written has no folder of its own yet."""
+    folder = os.path.dirname(self._queue_path(step))
+    for name in os.listdir(folder):
       if name.startswith("queue_") and name.endswith(".pkl"):
         old = int(name[len("queue_"):-len(".pkl")])
-        if old < step and not os.path.isdir(os.path.join(os.path.dirname(path), str(old))):
-          os.remove(os.path.join(os.path.dirname(path), name))
+        if old < step and not os.path.isdir(os.path.join(folder, str(old))):
+          os.remove(os.path.join(folder, name))
 
   def _load_queue(self, step: int) -> list[_Drawn]:
     path = self._queue_path(step)
@@ -306,6 +370,19 @@ class AsyncRLRun(RLRun):
       raise UserError(f"{path}: saved with lag {saved['lag']}, this run's is {self.lag} "
                       "(AsyncSpec changed)")
     return saved["batches"]
+
+
+def versions_in_flight(exp) -> int:
+  """Rollout weight copies the run holds at most beside the one a synchronous run holds.
+
+  While `_sync` makes version v, a fresh copy (the engine may still read the old one), the
+  versions v - 1 - lag .. v - 1 may all be alive: `publish` keeps the ones the batches not
+  yet drawn need, from need(step after the newest drawn) on, and the engine reads one of
+  them (evaluation and a redraw the newest). So lag + 2 copies, lag + 1 more than the
+  synchronous loop's, whose sync writes the new version into the old one's buffers.
+  """
+  lag = exp.asynchronous.lag(exp.trainer.minibatches)
+  return lag + 1 if lag else 0
 
 
 def run_class(exp) -> type:

@@ -16,7 +16,7 @@ import os
 from typing import Optional
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards
+from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_bytes
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
 from jaxrl_post.rollout.pages import page_bytes, pool_pages
@@ -33,7 +33,7 @@ class Plan:
   fits: bool
   peak_gb_per_device: float
   memory_gb: dict  # program -> {argument, temp, output, alias, peak}
-  resident_gb: dict  # train_state, reference, rollout_weights, kv_pool
+  resident_gb: dict  # train_state, reference, rollout_weights (+ _in_flight), kv_pool
   kv_pages: int
   kv_tokens: int
   kv_tokens_needed: int
@@ -76,6 +76,7 @@ class _Memory:
   """Per device: the peak of each phase of a step, and the KV pool beside the rest."""
 
   phases: dict  # phase -> bytes held while it runs
+  in_flight_bytes: int  # rollout weight versions an asynchronous run holds beside its one
   kv_per_token: int
   kv_pages: int  # pages of the pool that fit
   kv_needed: int  # tokens the slots need at the longest sequence
@@ -85,11 +86,16 @@ class _Memory:
 def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   """What each phase holds at once. Colocated, the train state and reference stay
   resident while the engine runs, and the rollout weights and pool while training does.
+  An asynchronous run holds up to lag + 1 more rollout weight versions through every
+  phase (pipelined.versions_in_flight), on the rollout's devices.
 
   The pool is what the run allocates: rollout.pages.pool_pages on the memory free once
-  the state and the rollout weights are in place, the train step's transient memory left
-  aside (capacity None: a device without memory stats, which takes the fallback budget).
+  the state and the rollout weights are in place, the train step's transient memory and
+  the versions in flight left aside (capacity None: a device without memory stats, which
+  takes the fallback budget).
   """
+  from jaxrl_post.pipeline.pipelined import versions_in_flight  # (pipeline imports plan)
+
   s, cfg, train = p.shapes, p.model, p.train
   tensor, data = p.meshes.rollout.shape["tensor"], p.meshes.rollout.shape["data"]
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
@@ -98,23 +104,26 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   kv_needed = s.num_slots // data * s.table_pages * s.page_size
   kv_bytes = (kv_needed + s.page_size) * kv_per_token  # the sink page too
   colocated = p.meshes.colocated
+  in_flight = versions_in_flight(exp) * rollout_bytes(cfg, p.meshes.rollout,
+                                                      exp.sync.rollout_dtype)
   resident = train.resident_bytes if colocated else 0
   free = None if capacity is None else capacity - resident - p.rollout_weight_bytes
   try:
     kv_pages = pool_pages(exp.rollout.engine.pool, cfg, kv_dtype, free, kv_shards=kv_shards,
-                          data_shards=data,
-                          reserved_bytes=train.transient_bytes if colocated else 0)
+                          data_shards=data, reserved_bytes=in_flight +
+                          (train.transient_bytes if colocated else 0))
   except UserError:  # Fewer than two pages fit: the verdict says so.
     kv_pages = 0
-  other = resident if colocated else 0
+  other = resident + in_flight
+  beside_train = p.rollout_weight_bytes + kv_bytes + in_flight if colocated else 0
   phases = {
-      "train": train.peak_bytes + (p.rollout_weight_bytes + kv_bytes if colocated else 0),
+      "train": train.peak_bytes + beside_train,
       "prefill": p.prefill.peak_bytes + other,
       "decode": p.decode.peak_bytes + other,
       "sync": p.sync.peak_bytes + (train.opt_state_bytes + train.reference_bytes + kv_bytes
-                                   if colocated else 0),
+                                   + in_flight if colocated else 0),
   }
-  return _Memory(phases, kv_per_token, kv_pages, kv_needed, kv_bytes)
+  return _Memory(phases, in_flight, kv_per_token, kv_pages, kv_needed, kv_bytes)
 
 
 def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
@@ -157,7 +166,9 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       resident_gb={"train_state": gb(train.params_bytes + train.frozen_bytes +
                                      train.opt_state_bytes),
                    "reference": gb(train.reference_bytes),
-                   "rollout_weights": gb(p.rollout_weight_bytes), "kv_pool": gb(mem.kv_bytes),
+                   "rollout_weights": gb(p.rollout_weight_bytes),
+                   "rollout_weights_in_flight": gb(mem.in_flight_bytes),
+                   "kv_pool": gb(mem.kv_bytes),
                    "peak_by_phase": {k: gb(v) for k, v in mem.phases.items()}},
       kv_pages=int(mem.kv_pages), kv_tokens=int(mem.kv_pages * s.page_size),
       kv_tokens_needed=int(mem.kv_needed),
@@ -224,9 +235,11 @@ def text(plan: Plan) -> str:
     lines.append(f"  {name:8s} args {m['argument']:8.3f}  temp {m['temp']:8.3f}  "
                  f"out {m['output']:8.3f}  alias {m['alias']:8.3f}  peak {m['peak']:8.3f}")
   r = plan.resident_gb
+  in_flight = (f" (+ {r['rollout_weights_in_flight']:.2f} GB of versions in flight)"
+               if r["rollout_weights_in_flight"] else "")
   lines.append(f"resident: train state {r['train_state']:.2f} GB, reference "
-               f"{r['reference']:.2f} GB, rollout weights {r['rollout_weights']:.2f} GB, "
-               f"KV pool {r['kv_pool']:.2f} GB")
+               f"{r['reference']:.2f} GB, rollout weights {r['rollout_weights']:.2f} GB"
+               f"{in_flight}, KV pool {r['kv_pool']:.2f} GB")
   lines.append(f"kv: {plan.kv_pages} pages ({plan.kv_tokens} tokens) fit per data shard; "
                f"the slots need {plan.kv_tokens_needed} tokens")
   lines.append("attention: " + "; ".join(f"{k}: {v}" for k, v in

@@ -6,7 +6,9 @@ any point and restarted writes the metrics of the run that was never interrupted
 batches drawn ahead are saved beside each checkpoint and trained on after the restart.
 """
 
+import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 
@@ -107,6 +109,58 @@ def test_in_flight_updates_switch_weights_mid_batch_and_stamp_each_token(tmp_pat
     old, fresh = r["async/staleness_hist"][2], r["async/staleness_hist"][0]  # 2 minibatches
     assert old > 0 and fresh > 0 and old + fresh == r["rollout/tokens"]
     assert r["async/staleness"] == 2 and r["async/dropped_groups"] == 0
+
+
+def _stamped_old(drawn):
+  """`drawn` with every token stamped as version 0's."""
+  groups = [dataclasses.replace(g, completions=[dataclasses.replace(c, versions=(0,) * len(
+      c.versions)) for c in g.completions]) for g in drawn.groups]
+  return dataclasses.replace(drawn, groups=groups)
+
+
+def test_a_batch_over_the_bound_is_dropped_counted_and_drawn_again_with_fresh_weights(
+    tmp_path, monkeypatch):
+  """Step 4's batch reaches the trainer stamped with version 0: 6 optimizer steps stale
+  against a bound of 2. It is dropped, its groups counted, and the trainer draws step 4
+  again with the newest weights (version 3) on the same prompts. A resumed run keeps the
+  count."""
+  draw, redraw, redrawn = pipelined._Ahead._draw, pipelined.AsyncRLRun._redraw, []
+
+  def stale_at_step_4(ahead, step, params):
+    item = draw(ahead, step, params)
+    if step != 4:
+      return item
+    return dataclasses.replace(item, batch=_stamped_old(item.batch),
+                               drawn=_stamped_old(item.drawn))
+
+  def recorded(run, step, dropped, timer):
+    out = redraw(run, step, dropped, timer)
+    redrawn.append((step, [g.prompt for g in dropped.batch.groups],
+                    [g.prompt for g in out[0].groups]))
+    return out
+
+  monkeypatch.setattr(pipelined._Ahead, "_draw", stale_at_step_4)
+  monkeypatch.setattr(pipelined.AsyncRLRun, "_redraw", recorded)
+  assert train.main(_train_args(tmp_path / "run", ONE_STEP_OFF)) == 0  # Bound: 1 x 2.
+  steps = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["step"] > 0]
+  assert [r["step"] for r in steps] == list(range(1, 7))
+  assert [r["async/dropped_groups"] for r in steps] == [0, 0, 0, 4, 4, 4]  # 4 prompts a step
+  assert len(redrawn) == 1 and redrawn[0][0] == 4 and redrawn[0][1] == redrawn[0][2]
+  for r in steps:
+    fresh = r["step"] - 1 if r["step"] == 4 else max(r["step"] - 2, 0)
+    assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == fresh
+    assert r["async/staleness"] == (r["step"] - 1 - fresh) * 2 <= 2
+    assert len(r["async/staleness_hist"]) == 3
+    assert sum(r["async/staleness_hist"]) == r["rollout/tokens"]
+  # Resumed from checkpoint 4 (after the drop), the run writes the same steps 5 and 6.
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+  os.remove(tmp_path / "run" / "checkpoints" / "queue_6.pkl")
+  assert train.main(_train_args(tmp_path / "run", ONE_STEP_OFF)) == 0
+  resumed = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["step"] > 0]
+  strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("async/rollout_",
+                                                                        "async/queue"))}
+                      for r in _deterministic(rs)]
+  assert strip(resumed) == strip(steps) and len(redrawn) == 1
 
 
 def test_bad_async_settings_are_one_line_errors():

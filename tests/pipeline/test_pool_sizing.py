@@ -51,6 +51,28 @@ def test_a_run_on_a_device_with_memory_stats_sizes_its_pool_after_the_train_step
   assert "kv pool:" in capsys.readouterr().out
 
 
+def test_an_asynchronous_run_sets_its_weight_versions_in_flight_aside_before_the_pool(
+    tmp_path, capsys, monkeypatch):
+  """One-step-off keeps up to 3 rollout copies where the synchronous loop keeps 1: with
+  64 MB free the pool is sized with the 2 more left aside, beside the train step's share."""
+  monkeypatch.setattr(loop, "free_device_bytes", lambda device: 64 * MB)
+
+  def capture(model_cfg, params, engine_cfg, **kwargs):
+    raise _Captured(engine_cfg.pool, model_cfg)
+
+  monkeypatch.setattr(loop, "Engine", capture)
+  pools = {}
+  for mode in ("sync", "one_step_off"):
+    with pytest.raises(_Captured) as caught:
+      train.main(_argv(tmp_path / mode, ["PoolConfig.num_pages = None",
+                                         f"AsyncSpec.mode = '{mode}'"]))
+    pools[mode], model_cfg = caught.value.args
+  copy = 4 * model_cfg.num_params  # The quickstart's rollout weights: float32, one device.
+  assert pools["one_step_off"].reserved_bytes - pools["sync"].reserved_bytes == 2 * copy
+  assert pool_budget(pools["one_step_off"], 64 * MB) < pool_budget(pools["sync"], 64 * MB)
+  assert "2 more rollout weight versions held in flight" in capsys.readouterr().out
+
+
 def _run_pages(tmp_path, monkeypatch, params):
   """The pages per data shard the run's engine allocates (the run stops there)."""
   real = loop.Engine
