@@ -86,16 +86,33 @@ def test_bindings_are_gin_that_a_shell_can_quote():
   assert exp.model.overrides["remat"] == "full"
 
 
-def test_plan_fit_on_the_quickstart_prints_the_fastest_bindings_and_the_runners_up():
+def test_the_report_gives_the_winner_as_pasteable_flags_and_the_runners_up():
+  plan = lambda fits, peak, step: {"fits": fits, "peak_gb_per_device": peak,
+                                   "predicted_s": {"step": step}}
+  found = [fit.Candidate(("ReferenceSpec.dtype = \"bfloat16\"",), ("reference bfloat16",),
+                         plan(True, 85.7, 28.1)),
+           fit.Candidate(("TrainerConfig.micro_batches = 8",), ("micro_batches x2",),
+                         plan(True, 85.2, 31.7)),
+           fit.Candidate((), (), plan(False, 100.6, 30.7))]
+  lines = fit.report(found, "v5p-8").splitlines()
+  assert lines[0].startswith("fit: fastest that fits v5p-8: predicted step 28.100 s")
+  assert lines[1] == """  --gin_param='ReferenceSpec.dtype = "bfloat16"'"""
+  assert lines[2] == "runners-up:" and "--gin_param='TrainerConfig.micro_batches = 8'" in lines[3]
+  assert lines[4].startswith("  does not fit: step 30.700 s, peak 100.60 GB (as is)")
+  assert fit.report(found[2:], "v5p-8").startswith("fit: nothing tried fits v5p-8")
+
+
+def test_plan_fit_on_the_quickstart_prints_json_candidates():
+  """The command end to end at a budget of one plan (the search itself is tested above)."""
   env = dict(os.environ, JAXRL_COMPILATION_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                                  "off"))
   out = subprocess.run([sys.executable, "-m", "jaxrl_post.plan", f"--gin_file={QUICKSTART}",
-                        "--fit", "--fit_budget=2", "--json"], cwd=ROOT, env=env,
+                        "--fit", "--fit_budget=1", "--json"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   result = json.loads(out.stdout.strip().splitlines()[-1])
-  found = result["candidates"]
-  assert result["fits"] and len(found) == 2 and "fit: planning" in out.stderr
-  assert found[0]["predicted_step_s"] <= found[1]["predicted_step_s"]
-  for c in found:
-    _experiment(c["bindings"])  # Each candidate's bindings parse and build.
+  assert result["fits"] and "fit: planning the config as it is" in out.stderr
+  (only,) = result["candidates"]
+  assert (only["bindings"], only["moves"], only["fits"]) == ([], [], True)
+  assert only["peak_gb_per_device"] > 0
+  assert only["predicted_step_s"] > 0
