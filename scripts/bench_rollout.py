@@ -27,8 +27,10 @@ Prints one JSON object (with --json; otherwise one "key: value" line each):
   gathers compare on this host, not the kernels: on a GPU/TPU decode is bandwidth-bound and
   the read ratio above is what bounds the attention time.
 * On a GPU/TPU only (jax.default_backend() != "cpu"): decode tokens/s and the share of the
-  HBM roofline for a 1B-class shape (llama3.2-1b, random bf16 weights), where the roofline
-  step time is (weight bytes + KV bytes read) / bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
+  HBM roofline for a 1B-class shape (llama3.2-1b, random bf16 weights) at each `--slots`
+  count (default 64, 256 and 512: an RL step decodes hundreds of sequences at once), where
+  the roofline step time is (weight bytes + KV bytes read) / bandwidth (H100 3.35 TB/s,
+  H200 4.8 TB/s).
 
 The CPU part uses a tiny model and takes a few minutes at most; absolute CPU times say
 nothing about accelerators, only the ratios measured side by side count.
@@ -320,7 +322,8 @@ def main(argv=None) -> int:
   p.add_argument("--requests", type=int, default=96, help="batching workload size")
   p.add_argument("--decode-only", action="store_true",
                  help="only the accelerator decode roofline (skip the tiny-model parts)")
-  p.add_argument("--slots", default="64", help="comma-separated decode slot counts")
+  p.add_argument("--slots", default="64,256,512",
+                 help="comma-separated decode slot counts (an RL step decodes hundreds)")
   p.add_argument("--models", default="llama3.2-1b",
                  help="comma-separated presets for the decode roofline (or tiny)")
   p.add_argument("--profile", action="store_true",
@@ -336,10 +339,7 @@ def main(argv=None) -> int:
   result.update(continuous_vs_static(model, args.requests))
   result.update(cascade_prefix_read_ratio(model))
   result.update(cascade_vs_paged_decode(model))
-  if jax.default_backend() != "cpu":
-    cfg = preset("llama3.2-1b", param_dtype="bfloat16", compute_dtype="bfloat16")
-    result["decode_model"] = "llama3.2-1b, random bf16 weights"
-    result.update(decode_roofline(cfg))
+  if jax.default_backend() != "cpu":  # RL batch sizes: one figure per --slots count.
     result["decode"] = _decode_figures(args)
   if args.json:
     print(json.dumps(result))
