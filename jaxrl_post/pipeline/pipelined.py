@@ -80,8 +80,9 @@ class _Ahead:
   trains step r + 1, batches r + 2 .. r + 1 + lag may be drawn. Counting releases, not
   versions, bounds the queue to lag batches also where the version clamps at 0."""
 
-  def __init__(self, run: "AsyncRLRun", next_step: int, last_step: int):
+  def __init__(self, run: "AsyncRLRun", next_step: int, last_step: int, floor: int = 0):
     self.run, self.next_step, self.last_step = run, next_step, last_step
+    self.floor = floor  # the oldest version this process can publish (see AsyncRLRun.start)
     self.cond = threading.Condition()
     self.engine_lock = threading.Lock()
     self.ready: dict[int, _Drawn] = {}
@@ -94,7 +95,7 @@ class _Ahead:
     self.thread = threading.Thread(target=self._work, name="rollout-ahead", daemon=True)
 
   def need(self, step: int) -> int:
-    return max(step - 1 - self.run.lag, 0)
+    return max(step - 1 - self.run.lag, self.floor)
 
   def publish(self, version: int, params) -> None:
     """Version `version` (the weights after RL step `version`) may draw, and the thread
@@ -208,7 +209,11 @@ class AsyncRLRun(RLRun):
                           if k in progress.counters})  # Counts before the restart.
     queued = self._load_queue(progress.step) if resuming else []
     first = progress.step + 1 + len(queued)
-    self.ahead = _Ahead(self, first, self.exp.steps)
+    # A resume after a kill finds the steps up to progress.step + lag queued, so the first
+    # to draw needs the restored weights. A finished run extended to more steps saved
+    # fewer (none past its last step): those draw with the restored weights too, the
+    # oldest this process has (an uninterrupted longer run would have drawn them older).
+    self.ahead = _Ahead(self, first, self.exp.steps, floor=progress.step)
     self.ahead.released = progress.step
     self.ahead.ready.update({d.step: d for d in queued})
     self.ahead.publish(self.rollout.version, self.rollout.params)

@@ -40,6 +40,14 @@ def test_batches_come_from_weights_lag_steps_old_and_report_their_staleness(tmp_
     assert r["async/dropped_groups"] == 0 and "time/wait_data" in r
   queues = sorted(f for f in os.listdir(tmp_path / "run" / "checkpoints") if f.startswith("queue"))
   assert "queue_6.pkl" in queues
+  # The finished run extended by two steps: its last checkpoint queued no batch past step
+  # 6, so steps 7 and 8 draw with the restored weights (version 6) instead of waiting for
+  # versions this process never had.
+  assert train.main(_train_args(tmp_path / "run", BOUNDED + ["Experiment.steps = 8"])) == 0
+  more = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["step"] > 6]
+  assert [r["step"] for r in more] == [7, 8]
+  assert [r["rollout/weight_version_min"] for r in more] == [6, 6]
+  assert all(r["async/staleness"] <= 4 and r["async/dropped_groups"] == 0 for r in more)
 
 
 @pytest.mark.slow(reason="a straight run against a killed run and its resume")
