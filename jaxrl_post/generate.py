@@ -7,6 +7,8 @@ or a file of prompts at once: --prompts IN.jsonl --out OUT.jsonl [--n K].
                          LoRA adapters are merged, the tokenizer is the run's
   --chat                 wrap the prompt as a user turn in the model's chat template
   --temperature 0        greedy decoding
+  --top-k K, --top-p P   sample from the K most likely tokens / the smallest set with mass
+                         >= P (after --temperature); logprobs are over that renormalised set
   --json                 print exactly one JSON object:
                          {"prompt_token_ids", "output_token_ids", "output_text"}
   --compilation_cache=PATH|off
@@ -15,12 +17,16 @@ or a file of prompts at once: --prompts IN.jsonl --out OUT.jsonl [--n K].
 Batch (--prompts): every line of IN.jsonl is a JSON object with a "prompt" string (or
 "question" / "problem", as the tasks' files have), or chat "messages" ([{"role", "content"},
 ...], always rendered with the chat template). Each row gets --n completions; all rows are
-decoded together with continuous batching. OUT.jsonl has one line per row read, in input
-order: {"line", "prompt" or "messages", "prompt_token_ids", "completions": [{"text",
-"token_ids", "logprobs", "finish_reason"}]}. Rows that cannot be used are skipped and counted
-by reason. The row on line L samples with seed --seed + L - 1.
+decoded together with continuous batching. OUT.jsonl has one line per row read:
+{"line", "prompt" or "messages", "prompt_token_ids", "completions": [{"text", "token_ids",
+"logprobs", "finish_reason"}]}. A row's line is written (and flushed) as soon as its
+completions finish; once every row is done the file is put in input order. Rows that cannot
+be used are skipped and counted by reason. The row on line L samples with seed
+--seed + L - 1, so a job killed midway and rerun with --resume (rows whose "line" is already
+in OUT.jsonl are kept and not decoded again) ends with the file an uninterrupted run writes.
 
-Decoding runs on the rollout engine (paged KV cache), the same code path as RL rollouts.
+Decoding runs on the rollout engine (paged KV cache), the same code path as RL rollouts,
+data-parallel over every local device (decode slots and KV pages split between them).
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--chat", action="store_true", help="apply the model's chat template")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
+  p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0: all)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="keep the smallest set of most likely tokens with mass >= P (1: all)")
+  p.add_argument("--resume", action="store_true",
+                 help="keep the rows already in --out and decode only the others")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                  help="compute dtype (auto: float32 on CPU, bfloat16 on accelerators)")
@@ -75,14 +86,27 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+def local_mesh():
+  """A data-parallel rollout mesh over this process's devices: each device decodes its own
+  share of the slots from its own pages and a full copy of the weights (a generate job's
+  sequences are independent, so the devices never talk during decoding)."""
+  import jax
+
+  from jaxrl_post.sharding import MeshConfig, make_mesh
+
+  return make_mesh(MeshConfig(data=-1, fsdp=1), jax.local_devices())
+
+
 def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: int,
-                sequences: int = 1, num_slots: Optional[int] = None):
+                sequences: int = 1, num_slots: Optional[int] = None, mesh=None):
   """An engine for decoding `sequences` sequences, whose page pool holds a full sequence
   in every slot.
 
   num_slots None decodes them all at once, as many as fit the default pool budget
   (PoolConfig: a share of free device memory, or a fixed budget on the CPU) up to
-  MAX_SLOTS; an explicit num_slots is used as given, no wider than the work.
+  MAX_SLOTS; an explicit num_slots is used as given, no wider than the work. mesh: a
+  rollout mesh whose "data" shards each hold their share of the slots and pages (None:
+  the first device).
   """
   from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
   from jaxrl_post.rollout.engine import MAX_SLOTS
@@ -107,13 +131,17 @@ def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: i
   # has free, if more than PoolConfig's fixed fallback. That fallback held 181 of
   # bench_generate's 300 chat prompts, which then decoded in two waves.
   fallback = max(PoolConfig.fallback_bytes, host_available_bytes() // 4)
+  shards = 1 if mesh is None else mesh.shape["data"]
+  device = None if mesh is None else mesh.devices.flat[0]
   budget = resolve_num_pages(PoolConfig(page_size=page_size, fallback_bytes=fallback),
-                             model.config, model.config.compute_dtype)
+                             model.config, model.config.compute_dtype, device,
+                             data_shards=shards)  # Pages per shard.
   held = max(1, sequences_held(budget, seq_pages))  # One sequence even past the budget.
-  config = config.sized_for(sequences, capacity=min(held, MAX_SLOTS))
-  pages = config.num_slots * seq_pages + 1  # + the page that padding writes to.
+  config = config.sized_for(sequences, capacity=min(held * shards, MAX_SLOTS))
+  # The engine rounds the slots up to whole shards; each shard's pool holds its slots'.
+  pages = cdiv(config.num_slots, shards) * seq_pages + 1  # + the page padding writes to.
   config = dataclasses.replace(config, pool=PoolConfig(page_size=page_size, num_pages=pages))
-  return Engine.from_model(model, config)
+  return Engine.from_model(model, config, mesh=mesh)
 
 
 def _load(args: argparse.Namespace):
@@ -135,18 +163,39 @@ def _load(args: argparse.Namespace):
   return policy.model(compute_dtype=dtype), policy.tokenizer
 
 
+def _check_sampling_args(args: argparse.Namespace) -> None:
+  """The sampling flags' mistakes, named by flag, before the model is loaded."""
+  if not args.temperature >= 0:  # Also NaN.
+    raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+  if args.top_k < 0:
+    raise UserError(f"--top-k must be >= 0 (0 keeps every token), got {args.top_k}")
+  if not 0 < args.top_p <= 1:
+    raise UserError(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
+  if args.max_new_tokens < 1:
+    raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def _sampling(args: argparse.Namespace, tok):
+  """The flags' SamplingParams. Completions report the engine's behaviour logprobs: under
+  --top-k / --top-p, over the kept tokens renormalised (what each token was drawn from)."""
+  from jaxrl_post.rollout import SamplingParams
+
+  return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        max_tokens=args.max_new_tokens, stop_ids=tok.stop_ids)
+
+
 def run(args: argparse.Namespace) -> dict:
   """One prompt: {"prompt_token_ids", "output_token_ids", "output_text"}."""
-  from jaxrl_post.rollout import Request, SamplingParams, generate
+  from jaxrl_post.rollout import Request, generate
 
   model, tok = _load(args)
   if args.chat:
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
   else:
     prompt_ids = tok.encode(args.prompt)
-  sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            stop_ids=tok.stop_ids)
-  engine = _engine_for(model, len(prompt_ids), sampling.max_tokens, len(tok.stop_ids))
+  sampling = _sampling(args, tok)
+  engine = _engine_for(model, len(prompt_ids), sampling.max_tokens, len(tok.stop_ids),
+                       mesh=local_mesh())
   completion = generate(engine, [Request(tuple(prompt_ids), seed=args.seed)],
                         sampling=sampling)[0][0]
   out = list(completion.tokens)
@@ -252,33 +301,50 @@ def _check_batch_args(args: argparse.Namespace) -> None:
 
 def run_batch(args: argparse.Namespace) -> dict:
   """--prompts: every usable row's --n completions into --out; returns a summary
-  {"rows", "completions", "skipped": {reason: count}, "out"}."""
-  from jaxrl_post.rollout import SamplingParams
-
+  {"rows", "completions", "resumed", "skipped": {reason: count}, "out"}."""
   _check_batch_args(args)
   skipped: collections.Counter = collections.Counter()
   rows = read_prompt_rows(args.prompts, skipped)
+  done = _resume_rows(args.out, rows) if args.resume else {}
+  rows = [row for row in rows if row.line not in done]
+  written = _decode_rows(args, rows, skipped, done) if rows else 0
+  if os.path.exists(args.out):
+    _sort_out(args.out)
+  return {"rows": written, "completions": written * args.n, "resumed": len(done),
+          "out": args.out, "skipped": dict(sorted(skipped.items()))}
+
+
+def _decode_rows(args: argparse.Namespace, rows: list[PromptRow],
+                 skipped: collections.Counter, kept: dict[int, str]) -> int:
+  """Loads the model, decodes the rows and writes each to --out (after the `kept` rows)
+  as it finishes; returns how many were written (the others are counted into `skipped`).
+  --out is opened only once the model and prompts are ready: a mistake found before that
+  leaves it untouched."""
   model, tok = _load(args)
   if args.chat and not tok.chat_template:
     raise UserError(f"{tok.source}: the model has no chat template (drop --chat)")
   rows = tokenize_rows(rows, tok, chat=args.chat, max_new_tokens=args.max_new_tokens,
                        context=model.config.max_position_embeddings, skipped=skipped)
   if not rows:
+    if args.resume:
+      return 0  # What is left cannot be decoded; the rows already there stand.
     raise UserError(f"{args.prompts}: no usable rows ({_counts(skipped)})")
-  sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            stop_ids=tok.stop_ids)
+  sampling = _sampling(args, tok)
   engine = _engine_for(model, max(len(r.ids) for r in rows), sampling.max_tokens,
-                       len(tok.stop_ids), len(rows) * args.n, args.num_slots)
-  completions = _decode_all(engine, rows, sampling, args.n, args.seed)
-  _write_rows(args.out, (_output_row(r, c, tok) for r, c in zip(rows, completions)))
-  return {"rows": len(rows), "completions": len(rows) * args.n, "out": args.out,
-          "skipped": dict(sorted(skipped.items()))}
+                       len(tok.stop_ids), len(rows) * args.n, args.num_slots,
+                       mesh=local_mesh())
+  with open_out(args.out, kept) as out:
+    _decode_all(engine, rows, sampling, args.n, args.seed,
+                on_row=lambda row, completions: out.write(_output_row(row, completions, tok)))
+  return len(rows)
 
 
-def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int) -> list[list]:
+def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int,
+                on_row=None) -> list[list]:
   """Every row's n completions, all rows in one scheduler (continuous batching), with a
   progress bar on stderr. The same submissions `rollout.generate` makes; driven here step
-  by step so the bar can count finished completions."""
+  by step so the bar can count finished completions, and so that on_row(row, completions)
+  gets each row as soon as its n completions are done (a killed job keeps them)."""
   from jaxrl_post.rollout import Scheduler, SchedulerConfig
   from jaxrl_post.telemetry.progress import ProgressBar
 
@@ -292,6 +358,8 @@ def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int) -> l
   # A row's seed comes from its line, not its rank among usable rows, so skipping a bad
   # row elsewhere in the file does not change this one's samples.
   ids = [sched.submit(row.ids, sampling, n=n, seed=seed + row.line - 1) for row in rows]
+  row_of = dict(zip(ids, rows))
+  left = dict.fromkeys(ids, n)  # Completions each request still waits for.
   engine.compile_ahead(sampling, max(len(row.ids) for row in rows), len(rows), n)
   done = tokens = 0
   start = time.monotonic()
@@ -302,6 +370,10 @@ def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int) -> l
       tokens += sum(len(c.tokens) for *_, c in finished)
       if finished:
         bar.update(done, tokens_per_s=tokens / max(time.monotonic() - start, 1e-9))
+      for rid, *_ in finished:
+        left[rid] -= 1
+        if left[rid] == 0 and on_row is not None:
+          on_row(row_of[rid], sched.results[rid])
   return [sched.results[i] for i in ids]
 
 
@@ -313,16 +385,87 @@ def _output_row(row: PromptRow, completions: list, tok) -> dict[str, Any]:
                            "finish_reason": c.finish_reason} for c in completions]}
 
 
-def _write_rows(path: str, rows) -> None:
-  """Writes beside `path` then renames, so a failed run leaves no half-written file."""
+# ------------------------------------------------------------------------------ --out
+
+
+def _read_out(path: str) -> dict[int, str]:
+  """The complete rows of an --out file by line: {line: its JSON text}. A line that does
+  not parse (the half-written last line of a killed job) is dropped; the first row of a
+  line wins."""
+  rows: dict[int, str] = {}
+  try:
+    with open(path, "rb") as f:
+      for raw in f:
+        try:
+          row = json.loads(raw)
+        except ValueError:
+          continue
+        line = row.get("line") if isinstance(row, dict) else None
+        if isinstance(line, int) and raw.endswith(b"\n"):
+          rows.setdefault(line, raw.decode("utf-8").rstrip("\n"))
+  except OSError as e:
+    raise UserError(f"{path}: cannot be read ({e.strerror}) (--out)") from None
+  return rows
+
+
+def _resume_rows(path: str, rows: list[PromptRow]) -> dict[int, str]:
+  """The rows of --out that --resume keeps. Each must echo the prompt on its line of the
+  prompts file: a different file would otherwise mix two jobs' completions silently."""
+  if not os.path.exists(path):
+    return {}
+  done = _read_out(path)
+  source = {row.line: row.source for row in rows}
+  for line, text in done.items():
+    row = json.loads(text)
+    if line not in source or any(row.get(k) != v for k, v in source[line].items()):
+      raise UserError(f"{path}: its row for line {line} does not match that line of the "
+                      "--prompts file (--resume continues the same job)")
+  return done
+
+
+class open_out:
+  """--out opened for rows as they finish: emptied, or with --resume rewritten to the kept
+  rows (dropping a half-written line, which appending would otherwise extend). Each row is
+  flushed as it is written, so a killed job loses only the rows it was decoding."""
+
+  def __init__(self, path: str, kept: dict[int, str]):
+    self.path = path
+    try:
+      _replace(path, kept.values())
+      self.file = open(path, "a", encoding="utf-8")
+    except OSError as e:
+      raise UserError(f"{path}: cannot be written ({e.strerror})") from None
+
+  def write(self, row: dict[str, Any]) -> None:
+    try:
+      self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+      self.file.flush()
+    except OSError as e:
+      raise UserError(f"{self.path}: cannot be written ({e.strerror})") from None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.file.close()
+
+
+def _sort_out(path: str) -> None:
+  """Puts a finished --out in input order (rows were written in the order they finished)."""
+  rows = _read_out(path)
+  try:
+    _replace(path, (rows[line] for line in sorted(rows)))
+  except OSError as e:
+    raise UserError(f"{path}: cannot be written ({e.strerror})") from None
+
+
+def _replace(path: str, lines) -> None:
+  """Writes `lines` beside `path` then renames: a kill leaves the old file or the new."""
   tmp = f"{path}.tmp{os.getpid()}"
   try:
     with open(tmp, "w", encoding="utf-8") as f:
-      for row in rows:
-        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+      f.writelines(line + "\n" for line in lines)
     os.replace(tmp, path)
-  except OSError as e:
-    raise UserError(f"{path}: cannot be written ({e.strerror})") from None
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
@@ -336,8 +479,9 @@ def _summary_line(summary: dict) -> str:
   """'wrote 8 rows, 16 completions to out.jsonl; skipped 2 rows (invalid_json=1, ...)'."""
   skipped = sum(summary["skipped"].values())
   reasons = f" ({_counts(summary['skipped'])})" if skipped else ""
+  resumed = f" ({summary['resumed']} rows already there)" if summary["resumed"] else ""
   return (f"wrote {summary['rows']} rows, {summary['completions']} completions to "
-          f"{summary['out']}; skipped {skipped} rows{reasons}")
+          f"{summary['out']}{resumed}; skipped {skipped} rows{reasons}")
 
 
 # ------------------------------------------------------------------------------ main
@@ -347,11 +491,12 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   compile_cache.enable(args.compilation_cache)
   try:
+    _check_sampling_args(args)
     if args.prompts is not None:
       summary = run_batch(args)
     else:
-      if args.out is not None or args.n != 1:
-        raise UserError("--out and --n are for --prompts FILE.jsonl")
+      if args.out is not None or args.n != 1 or args.resume:
+        raise UserError("--out, --n and --resume are for --prompts FILE.jsonl")
       result = run(args)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

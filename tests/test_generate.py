@@ -166,7 +166,7 @@ def test_batch_argument_mistakes_exit_2_with_one_line(case, tmp_path, capsys):
       "no_out": ([], "--prompts needs --out FILE.jsonl"),
       "all_bad": (["--out", out], "no usable rows (invalid_json=1, missing_field=1)"),
       "json": (["--out", out, "--json"], "--json is for --prompt"),
-      "n_without_prompts": (["--n", "2"], "--out and --n are for --prompts FILE.jsonl"),
+      "n_without_prompts": (["--n", "2"], "--out, --n and --resume are for --prompts"),
   }[case]
   if case == "all_bad":
     prompts = _write_lines(tmp_path / "in.jsonl", ["{", json.dumps({"prompt": ""})])
@@ -241,3 +241,123 @@ def test_num_slots_below_one_is_a_one_line_error(tmp_path, capsys):
   assert generate.main(["--model", LLAMA_DIR, "--prompts", prompts, "--out",
                         str(tmp_path / "out.jsonl"), "--num-slots", "0"]) == 2
   assert capsys.readouterr().err == "error: --num-slots must be >= 1, got 0\n"
+
+
+# ------------------------------------- --top-k / --top-p, --resume, every local device
+
+
+def _batch(tmp_path, name, lines, *flags):
+  """In-process --prompts run on the tiny model (8 host devices); returns its rows."""
+  out = str(tmp_path / f"{name}.jsonl")
+  prompts = _write_lines(tmp_path / "in.jsonl", lines)
+  assert generate.main(["--model", LLAMA_DIR, "--prompts", prompts, "--out", out,
+                        "--max-new-tokens", "6", *flags]) == 0
+  return out
+
+
+_STORY = [json.dumps({"prompt": p}) for p in ("Once upon a time", "The cat", "Hello, world!",
+                                              "In the beginning")]
+
+
+@pytest.mark.parametrize("flag", [("--top-k", "1"), ("--top-p", "1e-6")])
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens_with_logprob_0(flag, tmp_path):
+  """Drawn at temperature 1 from a kept set of one token: the greedy tokens, each with the
+  behaviour logprob of a renormalised one-token set, exactly 0."""
+  rows = _read_rows(_batch(tmp_path, "out", _STORY[:2], "--n", "2", "--temperature", "1",
+                           *flag))
+  model, tok = models.load(LLAMA_DIR, compute_dtype="float32")
+  for row in rows:
+    want = generate_dense(model, [row["prompt_token_ids"]], max_new_tokens=6,
+                          stop_ids=tok.stop_ids).tokens[0]
+    for c in row["completions"]:
+      assert c["token_ids"] == want and c["logprobs"] == [0.0] * len(want)
+
+
+def test_top_k_truncated_samples_differ_from_untruncated_ones_and_report_their_set(tmp_path):
+  """--top-k 3: each first token is one of the three most likely, with its logprob over those
+  three renormalised (not over the vocabulary), and the draws differ from --top-k 0's."""
+  flags = ("--n", "4", "--temperature", "1.5")
+  cut = _read_rows(_batch(tmp_path, "k3", _STORY[:1], *flags, "--top-k", "3"))[0]
+  full = _read_rows(_batch(tmp_path, "k0", _STORY[:1], *flags))[0]
+  model, _ = models.load(LLAMA_DIR, compute_dtype="float32")
+  ids = np.asarray([cut["prompt_token_ids"]])
+  hidden = model(ids, np.arange(ids.shape[1])[None])[0, -1]
+  logits = np.asarray(model.logits(hidden), np.float64) / 1.5
+  top3 = np.argsort(-logits)[:3]
+  kept = logits[top3] - np.logaddexp.reduce(logits[top3])
+  for c in cut["completions"]:  # The first token: one of the three, at its renormalised logprob.
+    assert c["token_ids"][0] in top3
+    assert c["logprobs"][0] == pytest.approx(kept[list(top3).index(c["token_ids"][0])],
+                                             abs=1e-4)
+  assert [c["token_ids"] for c in cut["completions"]] != [
+      c["token_ids"] for c in full["completions"]]
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--top-k", "-1"], "--top-k must be >= 0 (0 keeps every token), got -1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1] (1 keeps every token), got 0.0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1] (1 keeps every token), got 1.5"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1] (1 keeps every token), got nan"),
+    (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--resume"], "--out, --n and --resume are for --prompts FILE.jsonl"),
+])
+def test_bad_sampling_flags_are_one_line_errors(argv, want, capsys):
+  assert generate.main(["--model", "/no/such/dir", "--prompt", "hi", *argv]) == 2
+  assert capsys.readouterr().err == f"error: {want}\n"
+
+
+def test_a_killed_batch_job_resumed_writes_every_line_once_as_an_uninterrupted_run(tmp_path):
+  flags = ("--n", "2", "--temperature", "1", "--seed", "3")
+  full = _batch(tmp_path, "full", _STORY, *flags)
+  rows = open(full, encoding="utf-8").read().splitlines()
+  assert [json.loads(r)["line"] for r in rows] == [1, 2, 3, 4]  # Input order at the end.
+  # A kill: rows 3 and 1 had finished (in that order), row 2's line was half written.
+  part = tmp_path / "part.jsonl"
+  part.write_text(rows[2] + "\n" + rows[0] + "\n" + rows[1][:len(rows[1]) // 2])
+  assert generate.main(["--model", LLAMA_DIR, "--prompts", str(tmp_path / "in.jsonl"),
+                        "--out", str(part), "--max-new-tokens", "6", "--resume", *flags]) == 0
+  assert part.read_text() == "".join(r + "\n" for r in rows)
+  # Nothing left: the rerun loads no model (a bad --model would fail) and keeps the file.
+  assert generate.main(["--model", "/no/such/dir", "--prompts", str(tmp_path / "in.jsonl"),
+                        "--out", str(part), "--resume", *flags]) == 0
+  assert part.read_text() == "".join(r + "\n" for r in rows)
+
+
+def test_resume_refuses_an_out_file_of_another_prompts_file(tmp_path, capsys):
+  out = tmp_path / "out.jsonl"
+  out.write_text(json.dumps({"line": 2, "prompt": "something else", "completions": []}) + "\n")
+  prompts = _write_lines(tmp_path / "in.jsonl", _STORY)
+  assert generate.main(["--model", LLAMA_DIR, "--prompts", prompts, "--out", str(out),
+                        "--resume"]) == 2
+  assert capsys.readouterr().err == (
+      f"error: {out}: its row for line 2 does not match that line of the --prompts file "
+      "(--resume continues the same job)\n")
+
+
+def test_batch_decodes_on_every_local_device_as_on_one(tmp_path, monkeypatch):
+  """The 8 host devices each hold a share of the slots and pages; greedy completions are
+  the ones a one-device engine gives, their logprobs to float32 rounding (a shard's batch
+  is narrower, so XLA may sum in another order)."""
+  import jax
+
+  from jaxrl_post.rollout import SamplingParams
+
+  engines = []
+  build = generate._engine_for
+  monkeypatch.setattr(generate, "_engine_for",
+                      lambda *a, **k: engines.append(build(*a, **k)) or engines[-1])
+  rows = _read_rows(_batch(tmp_path, "out", _STORY, "--n", "2", "--temperature", "0"))
+  (eng,) = engines
+  assert eng.shards == 8 and list(eng.layout.mesh.devices.flat) == jax.local_devices()
+  model, tok = models.load(LLAMA_DIR, compute_dtype="float32")
+  one = build(model, max(len(r["prompt_token_ids"]) for r in rows), 6, len(tok.stop_ids),
+              sequences=8)
+  assert one.shards == 1
+  prompt_rows = [generate.PromptRow(r["line"], {}, ids=r["prompt_token_ids"]) for r in rows]
+  want = generate._decode_all(one, prompt_rows, SamplingParams(
+      temperature=0.0, max_tokens=6, stop_ids=tok.stop_ids), 2, 0)
+  for row, completions in zip(rows, want):
+    assert [c["token_ids"] for c in row["completions"]] == [list(c.tokens) for c in completions]
+    np.testing.assert_allclose([c["logprobs"] for c in row["completions"]],
+                               [c.logprobs for c in completions], rtol=1e-6, atol=0)
