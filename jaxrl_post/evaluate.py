@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   plugins.add_import_flag(p)
   p.add_argument("--checkpoint", default=None, metavar="WORKDIR", help="a run's checkpoint")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-  p.add_argument("--model", default=None, help="embedded name, GGUF file or HF directory")
+  p.add_argument("--model", default=None, help="embedded name, GGUF file, HF directory or hub id")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   compile_cache.add_cache_flag(p)
   return p.parse_args(argv)

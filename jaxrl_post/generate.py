@@ -58,7 +58,7 @@ _TEXT_FIELDS = ("prompt", "question", "problem")
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m jaxrl_post.generate",
                               description="Generate text from a language model.")
-  p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, GGUF file or HF dir")
+  p.add_argument("--model", default=DEFAULT_MODEL, help="embedded name, GGUF file, HF dir or hub id")
   p.add_argument("--checkpoint", default=None, metavar="WORKDIR",
                  help="generate from a training run's checkpoint (overrides --model)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")

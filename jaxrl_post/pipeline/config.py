@@ -55,7 +55,8 @@ class ModelSpec:
 
   Attributes:
     source: a preset name (random weights: for tests and the quickstart), an embedded model
-      name, a GGUF file or a Hugging Face model directory.
+      name, a GGUF file, a Hugging Face model directory or hub id ("Qwen/Qwen3-0.6B",
+      through the hub's cache: models.hub).
     tokenizer: "chars" (one id per character; presets need it) or "" for the model's own.
     init_seed: seed of random weights and LoRA adapters.
     overrides: ModelConfig fields to change, e.g. {"compute_dtype": "float32"}.

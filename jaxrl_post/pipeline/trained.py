@@ -104,14 +104,18 @@ def policy_config(spec: ModelSpec) -> tuple[ModelConfig, Tokenizer]:
   source = spec.source
   if source in PRESETS:
     return preset(source, **overrides), char_tokenizer()
+  from jaxrl_post.models import hub
+  if hub.is_hub_id(source):
+    source = hub.snapshot(source, weights=False)
   if os.path.isdir(source):
     cfg_path = os.path.join(source, "config.json")
     return (config_from_hf(read_json(cfg_path), cfg_path, **overrides),
             tokenizer_from_hf_dir(source))
   path = embedded_path(source) if source in EMBEDDED else source
   if not os.path.isfile(path):
-    raise UserError(f"ModelSpec.source {source!r}: no such preset, embedded model, GGUF file "
-                    "or model directory (a relative path is read from the current directory)")
+    raise UserError(f"ModelSpec.source {source!r}: no such preset, embedded model, GGUF file, "
+                    "model directory or hub id (a relative path is read from the current "
+                    "directory)")
   f = GGUFFile(path)
   return config_from_gguf(f, **overrides), tokenizer_from_gguf(f.meta, path)
 

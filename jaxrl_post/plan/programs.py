@@ -35,16 +35,20 @@ from jaxrl_post.sharding import Meshes, PartialSync, WeightSync, build_meshes
 
 def model_config(exp) -> ModelConfig:
   """The policy's shapes from ModelSpec.source without reading weights: a preset, a
-  Hugging Face directory (config.json is enough), or a GGUF / embedded model's metadata."""
+  Hugging Face directory or hub id (config.json is enough: no shard is downloaded), or a
+  GGUF / embedded model's metadata."""
   spec = exp.model
   overrides = dict(spec.overrides)
   if spec.lora is not None:
     overrides["lora"] = spec.lora
   if spec.source in PRESETS:
     return preset(spec.source, **overrides)
-  if os.path.isdir(spec.source):
+  from jaxrl_post.models import hub
+  source = hub.snapshot(spec.source, weights=False) if hub.is_hub_id(spec.source) else \
+      spec.source
+  if os.path.isdir(source):
     from jaxrl_post.models.hf import config_from_hf, read_json
-    path = os.path.join(spec.source, "config.json")
+    path = os.path.join(source, "config.json")
     return config_from_hf(read_json(path), path, **overrides)
   from jaxrl_post.models import load  # GGUF files carry their weights; small ones only.
   model, _ = load(spec.source, **overrides)
