@@ -8,19 +8,28 @@ prefills only the turn's last token and the observation after the pages already 
 Episodes end when the environment says so, after max_turns, or when the next turn would
 pass max_tokens (every token after the prompt: the model's and the observations').
 
-Environment steps run in worker threads (the tools they call in the verifier pool's
-processes, when the run bound one: envs.tools) while the engine goes on decoding the other
-episodes: the turns that one scheduler step finished are stepped
-during the next scheduler step, and their next turns are queued right after it, whatever
-the threads' timing. The order of device calls is then a function of the tokens alone, the
+Environment steps run in killable worker processes (a rewards.VerifierPool of their own)
+while the engine goes on decoding the other episodes: the turns that one scheduler step
+finished are stepped during the next scheduler step, and their next turns are queued right
+after it, whatever the workers' timing. Each step ships the episode to a worker and gets it
+back with the Step, so no worker holds an episode between steps: a step past
+`step_timeout_s` has its worker killed and replaced, and so does a worker whose interpreter
+dies; either way, or when a step raises or answers something that is not a Step, that
+episode alone ends with reward 0, counted by kind (`env_failures`) and written to the dead
+letters with the episode's id. Nothing an environment does can hold the trainer past the
+deadline or leak a thread. The order of device calls is then a function of the tokens alone, the
 same on every process and in a resumed run. Each turn's random draws come from (seed,
 prompt, sample, turn), so an episode's tokens do not depend on that order either.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import itertools
+import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -29,6 +38,7 @@ from jaxrl_post.envs.base import Environment, Step, play
 from jaxrl_post.envs.chat import TurnFormat
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards.base import Problem
+from jaxrl_post.rewards.pool import KINDS, VerifierPool, default_workers
 from jaxrl_post.rollout import Engine, SamplingParams
 from jaxrl_post.rollout.pages import cdiv
 from jaxrl_post.rollout.scheduler import Completion, Scheduler, SchedulerConfig
@@ -41,9 +51,9 @@ class EpisodeLimits:
     max_turns: model turns per episode (the environment's own limit also holds).
     max_tokens: tokens after the prompt, the model's and the observations'.
     reward: "sum" of the turns' rewards, or the "last" turn's, as the episode's reward.
-    step_timeout_s: longest an environment step (tool calls included) may take once the
-      driver waits for it; past it the episode ends with reward 0, counted as an error,
-      and its thread is abandoned.
+    step_timeout_s: longest an environment step (tool calls included) may take once a
+      worker has it; past it the worker is killed and replaced, and the episode ends with
+      reward 0, counted as a timeout.
   """
 
   max_turns: int = 4
@@ -83,7 +93,7 @@ class EpisodeRecord:
   turns: tuple[Turn, ...]
   reward: float
   solved: bool
-  ended: str  # "done", "max_turns" or "max_tokens"
+  ended: str  # "done", "max_turns", "max_tokens" or "failed" (a step failed: reward 0)
   experts: None = None
 
   @property
@@ -128,16 +138,40 @@ class _Live:
 
   index: int  # Its prompt.
   sample: int
+  problem: Problem
   episode: object  # The environment's Episode.
   history: list[int]
   turns: list[Turn] = dataclasses.field(default_factory=list)
 
 
-def _outcome(future: concurrent.futures.Future, timeout_s: float) -> Step | BaseException:
-  try:
-    return future.result(timeout=timeout_s)
-  except Exception as e:  # A failing or hung environment ends its episode, not the run.
-    return e
+class StepFailed(Exception):
+  """An environment step that raised, hung, crashed its worker or answered garbage."""
+
+  def __init__(self, kind: str, reason: Optional[str]):
+    super().__init__(f"{kind}: {reason}")
+    self.kind = kind
+
+
+def _step_in_worker(episode, reply: str) -> tuple[object, Step]:
+  """Runs in a pool worker: the step, and the episode as it stands after it (the trainer
+  keeps the state, so killing a worker loses only the step it was on). A reply that is not
+  a well-formed Step raises here, which the pool counts and dead-letters as an error."""
+  step = episode.step(reply)
+  _check_step(step)
+  return episode, step
+
+
+def _check_step(step) -> None:
+  if not isinstance(step, Step):
+    raise TypeError(f"step returned {type(step).__name__}, not a Step")
+  if not isinstance(step.observation, str):
+    raise TypeError(f"Step.observation is {type(step.observation).__name__}, not str")
+  if (not isinstance(step.reward, numbers.Real) or isinstance(step.reward, bool)
+      or not math.isfinite(step.reward)):
+    raise TypeError(f"Step.reward={step.reward!r} is not a finite number")
+  for name in ("done", "solved"):
+    if not isinstance(getattr(step, name), (bool, np.bool_)):
+      raise TypeError(f"Step.{name}={getattr(step, name)!r} is not a bool")
 
 
 def turn_seed(seed: int, step: int, index: int, sample: int, turn: int) -> int:
@@ -149,15 +183,33 @@ class EpisodeRunner:
 
   def __init__(self, engine: Engine, env: Environment, turns: TurnFormat,
                limits: EpisodeLimits, scheduler: SchedulerConfig = SchedulerConfig(),
-               workers: int = 8):
+               workers: Optional[int] = None, processes: bool = True,
+               dead_letter: Optional[str] = None):
+    """workers: environment steps run at once (default rewards.pool.default_workers());
+    processes: False steps on threads of this process (for an environment that cannot be
+    pickled; a hung step is then abandoned, not killed); dead_letter: JSONL file that gets
+    one line per failed step."""
     self.engine, self.env, self.turns, self.limits = engine, env, turns, limits
     self.scheduler_cfg = scheduler
     self.max_turns = min(limits.max_turns, env.max_turns)
-    self._workers = concurrent.futures.ThreadPoolExecutor(workers, "env-step")
-    self.env_errors = 0
+    workers = default_workers() if workers is None else workers
+    self.pool = VerifierPool(env, workers=workers, timeout_s=limits.step_timeout_s,
+                             processes=processes, dead_letter=dead_letter)
+    # Each thread only waits on a pool call, which the pool ends by its deadline: no
+    # thread outlives a step, so this many threads are all the driver ever has.
+    self._waiters = concurrent.futures.ThreadPoolExecutor(workers, "env-step")
+    self._keys = itertools.count()
+    self._step = 0
+    self.env_failures: collections.Counter = collections.Counter({k: 0 for k in KINDS})
+
+  @property
+  def env_errors(self) -> int:
+    """Failed steps of every kind (errors, timeouts, crashes)."""
+    return sum(self.env_failures.values())
 
   def close(self) -> None:
-    self._workers.shutdown(wait=False, cancel_futures=True)  # Abandoned steps may hang.
+    self._waiters.shutdown(wait=False, cancel_futures=True)
+    self.pool.close()  # Fails what is still running, so no waiter is left blocked.
 
   def run(self, problems: Sequence[Problem], prompts: Sequence[list[int]], k: int,
           sampling: SamplingParams, seed: int, step: int,
@@ -171,6 +223,7 @@ class EpisodeRunner:
     if not hosts.holds(mesh):
       return hosts.share(None, mesh)
     sched = Scheduler(self.engine, self.scheduler_cfg)
+    self._step = step
     owner: dict[int, tuple[_Live, ...]] = {}  # request id -> episodes by sample
     done: list[list[Optional[EpisodeRecord]]] = [[None] * k for _ in problems]
     budget, queued = self._concurrent_prompts(prompts, k), 0
@@ -186,7 +239,8 @@ class EpisodeRunner:
         rid = sched.submit(prompts[i], first, n=k, seed=turn_seed(seed, step, i, 0, 0),
                            keep=True, shard=shard)
         shard_of.append(shard)
-        owner[rid] = tuple(_Live(i, j, self.env.reset(problems[i]), list(prompts[i]))
+        owner[rid] = tuple(_Live(i, j, problems[i], self.env.reset(problems[i]),
+                                 list(prompts[i]))
                            for j in range(k))
         queued += 1
       if between_calls is not None:
@@ -196,7 +250,7 @@ class EpisodeRunner:
         live = owner[rid][j]
         finished.append((live, c, sched.held.pop((rid, j)), self._env_step(live, c)))
       for live, completion, held, future in stepping:  # Ran while that step decoded.
-        result = _outcome(future, self.limits.step_timeout_s)
+        result = self._outcome(live, future)
         self._advance(sched, live, completion, held, result, sampling, seed, step, owner,
                       done)
       stepping = finished
@@ -230,8 +284,26 @@ class EpisodeRunner:
     return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, left))
 
   def _env_step(self, live: _Live, c: Completion) -> concurrent.futures.Future:
-    """The environment's answer to a finished turn, stepped in a worker thread."""
-    return self._workers.submit(live.episode.step, self._reply(c))
+    """The environment's answer to a finished turn, stepped in a pool worker; the key names
+    the episode (problem id / sample) and turn, for its dead letter."""
+    episode_id = f"{getattr(live.problem, 'id', live.index)}/{live.sample}"
+    key = ("episode", episode_id, len(live.turns), next(self._keys))
+    return self._waiters.submit(self.pool.call, key, _step_in_worker, live.episode,
+                                self._reply(c), step=self._step)
+
+  def _outcome(self, live: _Live, future: concurrent.futures.Future) -> Step | StepFailed:
+    """The step's answer, with the episode's state after it; or why it failed, counted."""
+    try:
+      done = future.result()  # Bounded: the pool ends every call by its deadline.
+    except Exception as e:  # E.g. the pool was closed under it: the episode ends, not the run.
+      done_kind, reason = "error", f"{type(e).__name__}: {e}"
+    else:
+      if done.kind == "ok":
+        live.episode, step = done.value
+        return step
+      done_kind, reason = done.kind, done.reason
+    self.env_failures[done_kind] += 1
+    return StepFailed(done_kind, reason)
 
   def _reply(self, c: Completion) -> str:
     tok = self.turns.tokenizer
@@ -240,13 +312,13 @@ class EpisodeRunner:
   def _advance(self, sched, live: _Live, c: Completion, held, result, sampling, seed, step,
                owner, done) -> None:
     """Records a turn and queues the next, or ends the episode."""
-    if isinstance(result, BaseException):
-      self.env_errors += 1
+    failed = isinstance(result, StepFailed)  # Counted already; the episode scores 0.
+    if failed:
       result = Step("", 0.0, True)
     live.history += c.tokens
     used = len(c.tokens) + sum(len(t.completion.tokens) + len(t.observation_ids)
                                for t in live.turns)  # Tokens after the prompt so far.
-    ended = "done" if result.done else None
+    ended = "failed" if failed else "done" if result.done else None
     obs: tuple[int, ...] = ()
     if ended is None and len(live.turns) + 1 >= self.max_turns:
       ended = "max_turns"
@@ -265,6 +337,7 @@ class EpisodeRunner:
     sched.release(held)
     rewards = [t.reward for t in live.turns]
     total = sum(rewards) if self.limits.reward == "sum" else rewards[-1]
+    total = 0.0 if failed else total  # Earlier turns' rewards included: not to be trusted.
     done[live.index][live.sample] = EpisodeRecord(tuple(live.turns), float(total),
                                             bool(result.solved), ended)
 

@@ -3,7 +3,8 @@
 Only the rollout side changes. A step draws K episodes per prompt with the multi-turn
 driver (envs.driver: each trajectory's K/V stays in the pool between its turns), takes
 each episode's reward from its environment (it scored every turn as it answered it; the
-verifier pool's workers run only the environment's tool calls), and hands the trainer
+verifier pool's workers run the environment's tool calls; its steps run in the driver's
+own killable workers, with AgentSpec.step_timeout_s as their deadline), and hands the trainer
 every token after the prompt with a loss mask over the model's own: observations
 condition the policy but are never trained on.
 Advantages are GRPO's over the K episodes of a problem, per episode or, with
@@ -68,7 +69,8 @@ class AgentRLRun(RLRun):
   def start(self) -> Progress:
     progress = super().start()
     self.runner = EpisodeRunner(self.engine, self.env, self.turns, self.spec.limits(),
-                                self.exp.rollout.scheduler, workers=self.spec.env_workers)
+                                self.exp.rollout.scheduler, workers=self.spec.env_workers,
+                                dead_letter=self.dead_letter)
     if self.spec.store and jax.process_index() == 0:
       self.store = TrajectoryStore(self.workdir,
                                    progress.step if progress.eval_history else -1)
@@ -90,7 +92,7 @@ class AgentRLRun(RLRun):
   def _draw(self, step: int, round_: int, timer) -> dynamic.Drawn:
     exp = self.exp
     problems, prompt_ids = self.prompts.next_batch(exp.rollout.prompts_per_step)
-    errors = self.runner.env_errors
+    before = dict(self.runner.env_failures)
     with timer.role("rollout"):  # Environment steps included: they run between turns.
       t0 = time.perf_counter()
       episodes = self.runner.run(problems, prompt_ids, exp.rollout.group_size, self.sampling,
@@ -100,8 +102,11 @@ class AgentRLRun(RLRun):
     if self.store is not None:
       self.store.write(step, "train", problems, prompt_ids, episodes)
     rewards = np.array([e.reward for g in episodes for e in g], np.float32)
-    self._agent_metrics = episode_metrics("agent", episodes)
-    stats = VerifierStats(samples=len(rewards), errors=self.runner.env_errors - errors)
+    failed = {k: n - before[k] for k, n in self.runner.env_failures.items()}
+    self._agent_metrics = episode_metrics("agent", episodes) | {
+        f"env/{kind}s": float(n) for kind, n in failed.items()}  # env/timeouts, ...
+    stats = VerifierStats(samples=len(rewards), errors=failed["error"],
+                          timeouts=failed["timeout"], crashes=failed["crash"])
     groups = [rollouts.Group(p, list(ids), g) for p, ids, g in zip(problems, prompt_ids,
                                                                    episodes)]
     return dynamic.Drawn(groups, rewards, stats, seconds)
@@ -160,7 +165,7 @@ def episode_metrics(prefix: str, groups: Sequence[Sequence[EpisodeRecord]]) -> d
          f"{prefix}/turns_mean": float(np.mean([len(e.turns) for e in episodes])),
          f"{prefix}/observation_tokens_mean": float(np.mean(
              [sum(len(t.observation_ids) for t in e.turns) for e in episodes]))}
-  for ended in ("done", "max_turns", "max_tokens"):
+  for ended in ("done", "max_turns", "max_tokens", "failed"):
     out[f"{prefix}/ended_{ended}"] = float(np.mean([e.ended == ended for e in episodes]))
   return out
 

@@ -209,8 +209,10 @@ class AgentSpec:
     credit: "episode": every token gets its episode's group advantage; "reward_to_go":
       each turn's tokens get the advantage of the rewards from that turn on (with
       reward "sum"; rl.turn_credit).
-    env_workers: threads that step environments (and run their tools).
-    step_timeout_s: longest one environment step may take (see envs.EpisodeLimits).
+    env_workers: worker processes that step environments (killed and replaced past the
+      deadline or when they die).
+    step_timeout_s: longest one environment step may take (see envs.EpisodeLimits);
+      failed steps are counted as env/errors, env/timeouts, env/crashes.
     store: write every episode to WORKDIR/trajectories.jsonl.
   """
 
