@@ -49,7 +49,7 @@ def _episodes(mesh=None, k=4, engine=ENGINE, game=GuessingGame(max_turns=4), lim
   finally:
     runner.close()
   assert engine.pages_in_use == 0  # Every episode gave its pages back.
-  _episodes.errors = runner.env_errors
+  _episodes.errors, _episodes.failures = runner.env_errors, dict(runner.env_failures)
   return problems, prompts, out
 
 
@@ -103,15 +103,24 @@ def test_episodes_in_cascade_blocks_equal_independent_slots():
       np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL)
 
 
+def _divide_by_zero(reply):
+  return 1 / 0
+
+
+def _sleep_past_the_deadline(reply):
+  time.sleep(3.0)
+
+
 class _Broken(GuessingGame):
-  """Problem 0's episodes raise at their first step, problem 1's hang past the timeout."""
+  """Problem 0's episodes raise at their first step, problem 1's hang past the timeout
+  (module-level functions: the episode is pickled to the worker that steps it)."""
 
   def reset(self, problem):
     episode = super().reset(problem)
     if problem.id.endswith("-0"):
-      episode.step = lambda reply: 1 / 0
+      episode.step = _divide_by_zero
     elif problem.id.endswith("-1"):
-      episode.step = lambda reply: time.sleep(3.0)
+      episode.step = _sleep_past_the_deadline
     return episode
 
 
@@ -119,6 +128,7 @@ def test_a_raising_or_hung_environment_ends_its_episodes_and_nothing_else():
   limits = dataclasses.replace(LIMITS, step_timeout_s=0.5)
   _, _, groups = _episodes(game=_Broken(max_turns=4), limits=limits)
   assert _episodes.errors == 8  # 2 problems x 4 episodes, each at its first turn
+  assert _episodes.failures == {"error": 4, "timeout": 4, "crash": 0}  # Raised; killed.
   for group in groups[:2]:
     assert all(len(e.turns) == 1 and e.reward == 0.0 for e in group)
   assert sum(len(e.turns) for g in groups[2:] for e in g) > 12  # The others played on.
