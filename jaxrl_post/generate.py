@@ -163,16 +163,18 @@ def _load(args: argparse.Namespace):
   return policy.model(compute_dtype=dtype), policy.tokenizer
 
 
+# SamplingParams' fields as this command's flags spell them.
+_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+          "max_tokens": "--max-new-tokens"}
+
+
 def _check_sampling_args(args: argparse.Namespace) -> None:
-  """The sampling flags' mistakes, named by flag, before the model is loaded."""
-  if not args.temperature >= 0:  # Also NaN.
-    raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-  if args.top_k < 0:
-    raise UserError(f"--top-k must be >= 0 (0 keeps every token), got {args.top_k}")
-  if not 0 < args.top_p <= 1:
-    raise UserError(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
-  if args.max_new_tokens < 1:
-    raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  """The sampling flags' mistakes (SamplingParams' own checks), named by flag, before the
+  model is loaded."""
+  from jaxrl_post.rollout.sampling import check_sampling
+
+  check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens,
+                 name=_FLAGS.__getitem__)
 
 
 def _sampling(args: argparse.Namespace, tok):

@@ -20,11 +20,26 @@ from __future__ import annotations
 import functools
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_post.errors import UserError
+
+
+def check_sampling(temperature, top_k, top_p, max_tokens,
+                   name: Callable[[str], str] = lambda field: f"sampling: {field}") -> None:
+  """Sampling settings' mistakes as one UserError line. `name` spells a field as the
+  caller's user knows it (SamplingParams' field, or a command's flag)."""
+  if not temperature >= 0:  # NaN too.
+    raise UserError(f"{name('temperature')} must be >= 0, got {temperature}")
+  if top_k < 0:
+    raise UserError(f"{name('top_k')} must be >= 0 (0 keeps every token), got {top_k}")
+  if not 0.0 < top_p <= 1.0:
+    raise UserError(f"{name('top_p')} must be in (0, 1] (1 keeps every token), got {top_p}")
+  if max_tokens < 1:
+    raise UserError(f"{name('max_tokens')} must be >= 1, got {max_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +64,7 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise UserError(f"sampling: temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise UserError(f"sampling: top_k must be >= 0, got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise UserError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
-    if self.max_tokens < 1:
-      raise UserError(f"sampling: max_tokens must be >= 1, got {self.max_tokens}")
+    check_sampling(self.temperature, self.top_k, self.top_p, self.max_tokens)
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
   @property
