@@ -31,8 +31,7 @@ def load(name_or_path: str, **overrides) -> tuple[Transformer, Tokenizer]:
 
   if name_or_path in EMBEDDED:
     return load_gguf(embedded_path(name_or_path), **overrides)
-  if hub.is_hub_id(name_or_path):
-    name_or_path = hub.snapshot(name_or_path)
+  name_or_path = hub.local_source(name_or_path)
   if os.path.isdir(name_or_path):
     return load_hf_model(name_or_path, **overrides), tokenizer_from_hf_dir(name_or_path)
   if os.path.isfile(name_or_path):

@@ -53,3 +53,8 @@ def snapshot(repo_id: str, weights: bool = True) -> str:
   if not os.path.isfile(os.path.join(path, "config.json")):
     raise UserError(f"model {repo_id!r}: its hub snapshot {path} has no config.json")
   return path
+
+
+def local_source(source: str, weights: bool = True) -> str:
+  """`source` itself, or for a hub id its snapshot directory (see snapshot)."""
+  return snapshot(source, weights) if is_hub_id(source) else source

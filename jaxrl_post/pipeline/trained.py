@@ -105,8 +105,7 @@ def policy_config(spec: ModelSpec) -> tuple[ModelConfig, Tokenizer]:
   if source in PRESETS:
     return preset(source, **overrides), char_tokenizer()
   from jaxrl_post.models import hub
-  if hub.is_hub_id(source):
-    source = hub.snapshot(source, weights=False)
+  source = hub.local_source(source, weights=False)
   if os.path.isdir(source):
     cfg_path = os.path.join(source, "config.json")
     return (config_from_hf(read_json(cfg_path), cfg_path, **overrides),

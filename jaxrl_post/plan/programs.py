@@ -44,8 +44,7 @@ def model_config(exp) -> ModelConfig:
   if spec.source in PRESETS:
     return preset(spec.source, **overrides)
   from jaxrl_post.models import hub
-  source = hub.snapshot(spec.source, weights=False) if hub.is_hub_id(spec.source) else \
-      spec.source
+  source = hub.local_source(spec.source, weights=False)
   if os.path.isdir(source):
     from jaxrl_post.models.hf import config_from_hf, read_json
     path = os.path.join(source, "config.json")
