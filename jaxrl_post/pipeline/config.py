@@ -47,6 +47,7 @@ from jaxrl_post.rollout.scheduler import SchedulerConfig
 from jaxrl_post.sharding import MeshConfig, PlacementConfig, SyncConfig
 from jaxrl_post.telemetry.alarms import AlarmSpec
 from jaxrl_post.telemetry.profile import ProfileSpec
+from jaxrl_post.telemetry.trackers import MlflowSpec, WandbSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +170,14 @@ class LogSpec:
   """Attributes:
     tensorboard: also write TensorBoard event files into the workdir.
     progress: draw the progress bar.
+    wandb: also log to Weights & Biases (`LogSpec.wandb = @WandbSpec()`); None: off.
+    mlflow: also log to MLflow (`LogSpec.mlflow = @MlflowSpec()`); None: off.
   """
 
   tensorboard: bool = True
   progress: bool = True
+  wandb: Optional[WandbSpec] = None
+  mlflow: Optional[MlflowSpec] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +387,7 @@ for _cls in (DynamicSamplingSpec, OverlongConfig):
   _register(_cls)
 for _cls in (AgentSpec, GuessingGame, ToolArithmetic, HumanEvalFeedback):
   _register(_cls)
-for _cls in (ProfileSpec, AlarmSpec):
+for _cls in (ProfileSpec, AlarmSpec, WandbSpec, MlflowSpec):
   _register(_cls)
 
 

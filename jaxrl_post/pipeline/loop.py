@@ -54,6 +54,7 @@ from jaxrl_post.sharding import PartialSync, WeightSync, build_meshes
 from jaxrl_post.telemetry import (DiscardMetrics, MetricsWriter, ProgressBar, StepTimer,
                                   truncate_jsonl)
 from jaxrl_post.telemetry.progress import format_duration
+from jaxrl_post.telemetry.trackers import with_trackers
 
 
 @dataclasses.dataclass
@@ -398,9 +399,9 @@ def run(exp: Experiment, workdir: str, log=print, run_cls=None) -> dict[str, Any
   run_ = (run_cls or RLRun)(exp, workdir, log)
   progress = run_.start()
   first = jax.process_index() == 0  # Process 0 writes the run's files for every process.
-  writer = (MetricsWriter(workdir, tensorboard=exp.logging.tensorboard) if first
-            else DiscardMetrics())
   fresh = not progress.eval_history  # No checkpoint: lines of a killed attempt are stale.
+  writer = (with_trackers(MetricsWriter(workdir, tensorboard=exp.logging.tensorboard),
+                          exp.logging, workdir, fresh) if first else DiscardMetrics())
   writer.truncate_after(-1 if fresh else progress.step)
   truncate_jsonl(run_.dead_letter, -1 if fresh else progress.step)  # This process's own.
   telemetry = None
