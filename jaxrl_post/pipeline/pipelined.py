@@ -214,9 +214,12 @@ class AsyncRLRun(RLRun):
     # fewer (none past its last step): those draw with the restored weights too, the
     # oldest this process has (an uninterrupted longer run would have drawn them older).
     self.ahead = _Ahead(self, first, self.exp.steps, floor=progress.step)
-    self.ahead.released = progress.step
     self.ahead.ready.update({d.step: d for d in queued})
     self.ahead.publish(self.rollout.version, self.rollout.params)
+    # The restored checkpoint released its step. A fresh run saves its step-0 checkpoint
+    # (the prompt stream's position included) after the first evaluation: until that save
+    # releases step 0, the thread draws only the batches the checkpoint queues.
+    self.ahead.released = progress.step if resuming else progress.step - 1
     self.ahead.thread.start()
     return progress
 

@@ -95,44 +95,47 @@ def _wait_for_step(path, step, proc, timeout=300):
 
 
 @pytest.mark.slow(reason="a straight run against a killed run and its resume")
-@pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kill_after",
-                         [pytest.param(QUICKSTART, 1, 1, 3, marks=pytest.mark.sweep),
-                          (QUICKSTART, 2, 3, 4),
-                          pytest.param(QUICKSTART_LORA, 2, 3, 4, marks=pytest.mark.sweep)],
-                         ids=["sync1", "sync2", "lora-sync2"])
+@pytest.mark.parametrize("gin_file,sync_every,checkpoint_every,kills,steps",
+                         [pytest.param(QUICKSTART, 1, 1, (3,), 6, marks=pytest.mark.sweep),
+                          (QUICKSTART, 2, 3, (4,), 6),
+                          pytest.param(QUICKSTART_LORA, 2, 3, (4,), 6, marks=pytest.mark.sweep),
+                          pytest.param(QUICKSTART, 2, 3, (4, 7, 10), 12,
+                                       marks=pytest.mark.sweep)],
+                         ids=["sync1", "sync2", "lora-sync2", "sync2-three-kills"])
 def test_sigkill_and_restart_gives_the_uninterrupted_metrics(tmp_path, gin_file, sync_every,
-                                                             checkpoint_every, kill_after):
+                                                             checkpoint_every, kills, steps):
   """A run killed (SIGKILL) mid-run and restarted with the same command writes the same
-  metrics as one that was never interrupted. sync2: the engine syncs every 2 steps and the
-  kill comes after checkpoint 3 is on disk, so the run resumes where the engine's weights
-  (version 2) lag the train state's (step 3). lora-sync2: the same where only the adapters
-  train and move."""
+  metrics, bit for bit, as one that was never interrupted. sync2: the engine syncs every 2
+  steps and the kill comes after checkpoint 3 is on disk, so the run resumes where the
+  engine's weights (version 2) lag the train state's (step 3). lora-sync2: the same where
+  only the adapters train and move. sync2-three-kills: killed after steps 4, 7 and 10."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   extra = [f"SyncConfig.every_n_steps = {sync_every}",
-           f"CheckpointConfig.every_n_steps = {checkpoint_every}"]
+           f"CheckpointConfig.every_n_steps = {checkpoint_every}", f"Experiment.steps = {steps}"]
   straight = tmp_path / "straight"  # In this process: it reuses the programs compiled here.
   assert train.main(_train_args(straight, extra, gin_file)) == 0
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_train_cmd(killed, extra, gin_file), env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  try:
-    _wait_for_step(str(killed / "metrics.jsonl"), kill_after, proc)
-    if sync_every > 1:
-      _wait_for_path(killed / "checkpoints" / "3", proc)  # renamed into place when complete
-    proc.send_signal(signal.SIGKILL)  # Mid-run: possibly while a checkpoint is being written.
-  finally:
-    proc.communicate(timeout=60)
-  assert proc.returncode == -signal.SIGKILL
-  done = read_metrics(str(killed / "metrics.jsonl"))
-  assert max(r["step"] for r in done) < 6  # Really cut short.
+  for kill_after in kills:
+    proc = subprocess.Popen(_train_cmd(killed, extra, gin_file), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+      _wait_for_step(str(killed / "metrics.jsonl"), kill_after, proc)
+      if sync_every > 1:  # Renamed into place when complete.
+        _wait_for_path(killed / "checkpoints" / str(kill_after // 3 * 3), proc)
+      proc.send_signal(signal.SIGKILL)  # Mid-run: possibly while a checkpoint is being written.
+    finally:
+      proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    done = read_metrics(str(killed / "metrics.jsonl"))
+    assert max(r["step"] for r in done) < steps  # Really cut short.
   resumed = subprocess.run(_train_cmd(killed, extra, gin_file), env=env, check=True,
                            capture_output=True, text=True, timeout=600)
   assert "resumed from" in resumed.stdout
   if sync_every > 1:
-    assert "(step 3)" in resumed.stdout, resumed.stdout
+    assert f"(step {kills[-1] // 3 * 3})" in resumed.stdout, resumed.stdout
   want = _deterministic(read_metrics(str(straight / "metrics.jsonl")))
   got = _deterministic(read_metrics(str(killed / "metrics.jsonl")))
-  assert [r["step"] for r in got] == list(range(7))
+  assert [r["step"] for r in got] == list(range(steps + 1))
   assert got == want
   if gin_file == QUICKSTART_LORA:
     # Only the adapters move: rank 16 on all 7 matrices of 3 layers is 38912 float32s a
