@@ -81,9 +81,13 @@ def _budgeted(config) -> bool:
   return not hasattr(config, "workerinput") and "not sweep" in (config.option.markexpr or "")
 
 
+_FILE_TOTALS: dict[str, float] = {}  # Slow tests included: where the suite's time goes.
+
+
 def pytest_runtest_logreport(report):
+  path = report.nodeid.split("::")[0]
+  _FILE_TOTALS[path] = _FILE_TOTALS.get(path, 0.0) + report.duration
   if not dict(report.user_properties).get("slow_reason"):
-    path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
 
 
@@ -95,6 +99,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  if not hasattr(config, "workerinput") and len(_FILE_TOTALS) > 1:
+    terminalreporter.section("the slowest test files (seconds of their tests together)")
+    for path, seconds in sorted(_FILE_TOTALS.items(), key=lambda p: -p[1])[:15]:
+      terminalreporter.line(f"{seconds:7.1f}  {path}")
   over = suite_health.files_over_budget(_FILE_SECONDS) if _budgeted(config) else []
   if over:
     terminalreporter.section("test files over their time budget", red=True)

@@ -254,6 +254,8 @@ class RLRun:
       batches = pack_rollouts(self.trainer, trajs, behaviour)
     with timer.role("train"):  # Per minibatch one program: reference, loss, update, metrics.
       self.state, history = self.trainer.update(self.state, batches, scores, self.ref)
+    self._beside_train()  # Launched: the host is free until the metrics are fetched.
+    with timer.role("train"):
       history = fetch_metrics(history, self.meshes.trainer)  # The step's one wait.
     with timer.role("sync"):
       metrics.update(self._sync(step))
@@ -263,6 +265,9 @@ class RLRun:
                     "weight_version": self.rollout.version,
                     "train/tokens": sum(len(t.prompt) + len(t.completion) for t in trajs)})
     return metrics
+
+  def _beside_train(self) -> None:
+    """Host work while the step's update runs on the devices (asynchronous runs)."""
 
   def _trajectories(self, groups) -> tuple[list, list]:
     """The trainer's trajectories and behaviour logprobs, groups of K contiguous."""

@@ -131,6 +131,12 @@ class _Ahead:
     with self.cond:
       return len(self.ready)
 
+  def start(self) -> None:
+    self.thread.start()
+
+  def fill(self) -> None:
+    """Draws what may be drawn now: the thread does, on its own."""
+
   def close(self) -> None:
     with self.cond:
       self.closed = True
@@ -179,6 +185,45 @@ class _Ahead:
     return _Drawn(step, version, batch, drawn, metrics, roles["time/step"])
 
 
+class _Inline(_Ahead):
+  """The batches drawn ahead in the trainer's own thread, for a run over several processes.
+
+  Every program with cross-process collectives (rollout, scoring, sync, training) must be
+  launched in the same order on every process, which two threads would not keep. Here a
+  step launches its update, draws every batch the published weights allow while the
+  devices train (on a split placement the rollout devices work meanwhile: `fill`), and then
+  waits for the update. Which weights draw which batch is the thread's function of the
+  step, so the run writes the metrics of the one-process run on the same seed.
+  """
+
+  def start(self) -> None:
+    pass
+
+  def _drawable(self, t: int) -> bool:
+    return (t <= self.last_step and t - 1 - self.run.lag <= self.released
+            and self.need(t) in self.weights)
+
+  def fill(self) -> None:
+    while self._drawable(self.next_step):
+      t = self.next_step
+      self.ready[t] = self._draw(t, self.weights[self.need(t)])
+      self.next_step = t + 1
+
+  def take(self, step: int) -> _Drawn:
+    self.fill()
+    if step not in self.ready:  # The schedule always drew it by now.
+      raise RuntimeError(f"async: step {step}'s batch was not drawn (next to draw: "
+                         f"{self.next_step}, released: {self.released})")
+    return self.ready.pop(step)
+
+  def wait_drawn(self, step: int) -> list[_Drawn]:
+    self.fill()
+    return [self.ready[t] for t in sorted(self.ready)]
+
+  def close(self) -> None:
+    self.closed = True
+
+
 class AsyncRLRun(RLRun):
   """RLRun whose batches come from the rollout thread (see the module docstring)."""
 
@@ -186,13 +231,9 @@ class AsyncRLRun(RLRun):
     if exp.sync.every_n_steps != 1:
       raise UserError("async spec: asynchronous modes sync the weights every step "
                       f"(SyncConfig.every_n_steps = 1), got {exp.sync.every_n_steps}")
-    if jax.process_count() > 1:
-      # The rollout thread's programs and the trainer's both hold cross-process
-      # collectives; two threads would launch them in different orders on different hosts.
-      raise UserError(f"async spec: asynchronous modes run in one process (this job has "
-                      f"{jax.process_count()}); use AsyncSpec.mode = 'sync' across hosts")
-    super().__init__(exp, workdir, log)
     spec = exp.asynchronous
+    check_processes(spec, jax.process_count())
+    super().__init__(exp, workdir, log)
     self.lag = spec.lag(exp.trainer.minibatches)
     self.max_staleness = (spec.max_staleness if spec.mode == "bounded"
                           else self.lag * exp.trainer.minibatches)
@@ -213,14 +254,15 @@ class AsyncRLRun(RLRun):
     # to draw needs the restored weights. A finished run extended to more steps saved
     # fewer (none past its last step): those draw with the restored weights too, the
     # oldest this process has (an uninterrupted longer run would have drawn them older).
-    self.ahead = _Ahead(self, first, self.exp.steps, floor=progress.step)
+    drawer = _Ahead if jax.process_count() == 1 else _Inline
+    self.ahead = drawer(self, first, self.exp.steps, floor=progress.step)
     self.ahead.ready.update({d.step: d for d in queued})
     self.ahead.publish(self.rollout.version, self.rollout.params)
     # The restored checkpoint released its step. A fresh run saves its step-0 checkpoint
     # (the prompt stream's position included) after the first evaluation: until that save
     # releases step 0, the thread draws only the batches the checkpoint queues.
     self.ahead.released = progress.step if resuming else progress.step - 1
-    self.ahead.thread.start()
+    self.ahead.start()
     return progress
 
   def close(self) -> None:
@@ -301,6 +343,10 @@ class AsyncRLRun(RLRun):
     ages = (step - 1 - versions) * self.exp.trainer.minibatches
     return np.bincount(ages, minlength=self.max_staleness + 1).tolist()
 
+  def _beside_train(self) -> None:
+    """While the step's update runs: across processes, the batches drawn in this thread."""
+    self.ahead.fill()
+
   def _between_decode_calls(self) -> None:
     """In-flight updates: the rollout thread takes the newest published weights between two
     decode calls (never newer than step - 1 for the step it draws: the trainer has not
@@ -378,6 +424,14 @@ class AsyncRLRun(RLRun):
       raise UserError(f"{path}: saved with lag {saved['lag']}, this run's is {self.lag} "
                       "(AsyncSpec changed)")
     return saved["batches"]
+
+
+def check_processes(spec, processes: int) -> None:
+  """Across processes the batches are drawn at fixed points of the step (_Inline): weights
+  taken mid-batch whenever the trainer has them would differ between processes."""
+  if processes > 1 and spec.weight_updates == "in_flight":
+    raise UserError(f"async spec: weight_updates = 'in_flight' runs in one process (this "
+                    f"job has {processes}); use 'between_batches' across hosts")
 
 
 def versions_in_flight(exp) -> int:
