@@ -214,20 +214,25 @@ ASYNC = ["--gin_param=AsyncSpec.mode = 'one_step_off'", "--gin_param=Experiment.
          "--gin_param=CheckpointConfig.every_n_steps = 2"]
 
 
+BOUNDED = ["--gin_param=AsyncSpec.mode = 'bounded'", "--gin_param=AsyncSpec.max_staleness = 4"]
+
+
 @pytest.mark.slow(reason="the asynchronous run on 1 process, and on 2 killed and resumed")
-@pytest.mark.parametrize("placement", [SPLIT, pytest.param([], marks=pytest.mark.sweep)],
-                         ids=["split", "colocated"])
-def test_one_step_off_across_processes_writes_the_metrics_of_one_process_and_resumes(
-    tmp_path, placement):
+@pytest.mark.parametrize("placement,mode", [(SPLIT, []),
+                                            pytest.param([], [], marks=pytest.mark.sweep),
+                                            pytest.param(SPLIT, BOUNDED, marks=pytest.mark.sweep)],
+                         ids=["split", "colocated", "split-bounded"])
+def test_async_across_processes_writes_the_metrics_of_one_process_and_resumes(
+    tmp_path, placement, mode):
   """split: process 0's 4 devices train, process 1's roll out the batches a step ahead,
   drawn in each process's main thread (pipelined._Inline); colocated: all 8 do both.
   Process 1 killed after step 3 (its launcher kills process 0 too) and both restarted: the
   run resumes from checkpoint 2, recomputes step 3 bit for bit, and writes the
   one-process run's metrics."""
-  one = _run(tmp_path / "one", 8, ASYNC)
+  one = _run(tmp_path / "one", 8, [*ASYNC, *mode])
   workdir = tmp_path / "multi"
   port = free_port()
-  flags = [*placement, *ASYNC]
+  flags = [*placement, *ASYNC, *mode]
   procs = [subprocess.Popen(_cmd(workdir, [*flags, f"--coordinator_address=127.0.0.1:{port}",
                                            "--num_processes=2", f"--process_id={i}"]),
                             env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -247,7 +252,7 @@ def test_one_step_off_across_processes_writes_the_metrics_of_one_process_and_res
   exact = lambda r: {k: v for k, v in _deterministic([r])[0].items()
                      if not k.startswith(PER_DEVICE)}
   assert exact(before[3]) == exact(records[3])  # Recomputed exactly.
-  assert records[-1]["async/lag_steps"] == 1
+  assert records[-1]["async/lag_steps"] == (2 if mode else 1)  # 2 minibatches a step
   _close(records, one)
 
 
