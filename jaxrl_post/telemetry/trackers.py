@@ -176,7 +176,11 @@ class WandbTracker:
       self.run.log(values, step=step)
 
   def close(self) -> None:
+    import wandb
+
     self.run.finish()
+    # The W&B service process would otherwise outlive the run as this process's child.
+    wandb.teardown()
 
 
 # MLflow allows letters, digits and _ - . / space and colon in a metric's name.

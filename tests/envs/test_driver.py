@@ -77,7 +77,8 @@ def test_episodes_are_the_policys_own_tokens_with_observations_masked():
   assert turns > 2 * 20  # Most episodes took several turns.
 
 
-@pytest.mark.parametrize("pages", [160, 60], ids=["roomy", "one_prompt_per_shard"])
+@pytest.mark.parametrize("pages", [pytest.param(160, marks=pytest.mark.sweep), 60],
+                         ids=["roomy", "one_prompt_per_shard"])
 def test_episodes_on_a_rollout_mesh_equal_one_device(pages):
   """On 4 data shards; with 60 pages a shard holds one prompt's 4 episodes at their
   longest, so the driver must place each prompt on a shard with no live episodes (held

@@ -21,7 +21,8 @@ AGENT = os.path.join(ROOT, "configs", "quickstart_agent.gin")
 FAST = ["Experiment.steps = 3", "SftConfig.steps = 4", "EvalSpec.every_n_steps = 2",
         "EvalSpec.num_problems = 8", "EvalSpec.samples = 4", "RolloutSpec.prompts_per_step = 4",
         "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
-        "CheckpointConfig.every_n_steps = 1", "OptimizerConfig.total_steps = 10"]
+        "CheckpointConfig.every_n_steps = 1", "OptimizerConfig.total_steps = 10",
+        "AgentSpec.env_workers = 2"]  # A guess is a comparison: 2 workers keep up.
 
 
 def _argv(workdir, extra=()):

@@ -188,9 +188,9 @@ SPLIT_UNEVEN = ["--gin_param=PlacementConfig.mode = 'split'",
 
 
 @BASELINE
-@pytest.mark.slow(reason="two processes of the training command, twice (run and resume)")
-@pytest.mark.parametrize("split", [SPLIT, pytest.param(SPLIT_UNEVEN, marks=pytest.mark.sweep)],
-                         ids=["4_and_4", "2_and_6"])
+@pytest.mark.slow
+@pytest.mark.sweep  # The asynchronous run below runs this split across processes, and resumes.
+@pytest.mark.parametrize("split", [SPLIT, SPLIT_UNEVEN], ids=["4_and_4", "2_and_6"])
 def test_split_placement_across_processes_writes_the_metrics_of_one_process(tmp_path,
                                                                             baseline, split):
   """Process 0's 4 devices train, process 1's 4 roll out: the rollouts reach the trainer's

@@ -37,9 +37,16 @@ def _deterministic(records):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
+# W&B (offline) and MLflow (the workdir's store) beside metrics.jsonl, as users turn them on.
+TRACKERS = ["LogSpec.wandb = @WandbSpec()", "WandbSpec.mode = 'offline'",
+            "LogSpec.mlflow = @MlflowSpec()"]
+
+
 def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys):
+  from tests.telemetry.test_trackers import check_trackers_hold
+
   workdir = tmp_path / "run"
-  assert train.main(_argv(workdir)) == 0
+  assert train.main(_argv(workdir, TRACKERS)) == 0
   out = capsys.readouterr().out
   assert "held-out accuracy:" in out
   records = read_metrics(str(workdir / "metrics.jsonl"))
@@ -68,12 +75,14 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "5"]
   assert json.loads((workdir / "config.json").read_text())["steps"] == 5
   # Same command again: everything is done, nothing is recomputed or duplicated.
-  assert train.main(_argv(workdir)) == 0
+  assert train.main(_argv(workdir, TRACKERS)) == 0
   assert "resumed from" in capsys.readouterr().out
   assert read_metrics(str(workdir / "metrics.jsonl")) == records
-  # A longer run continues from the last checkpoint.
-  assert train.main(_argv(workdir, ["Experiment.steps = 6"])) == 0
-  assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == list(range(7))
+  # A longer run continues from the last checkpoint, and the trackers' runs with it.
+  assert train.main(_argv(workdir, [*TRACKERS, "Experiment.steps = 6"])) == 0
+  records = read_metrics(str(workdir / "metrics.jsonl"))
+  assert [r["step"] for r in records] == list(range(7))
+  check_trackers_hold(str(workdir), records)
 
 
 def _train_args(workdir, extra=(), gin_file=QUICKSTART):

@@ -1,5 +1,6 @@
 """W&B (offline) and MLflow (local SQLite store) get what metrics.jsonl gets, and a resumed
-run continues the same tracker runs."""
+run continues the same tracker runs. The training command's own run with both is in
+tests/pipeline/test_train.py (test_run_writes_metrics_tensorboard_checkpoints_and_resumes)."""
 
 import glob
 import json
@@ -78,7 +79,7 @@ def _same(got, want) -> bool:
   return (math.isnan(got) and math.isnan(want)) or got == want
 
 
-def _check_trackers_hold(workdir, records) -> None:
+def check_trackers_hold(workdir, records) -> None:
   """Both trackers hold every scalar of metrics.jsonl at its step, and nothing else."""
   expected = {r["step"]: trackers.scalars(r) for r in records}
   ids, history = wandb_history(workdir)
@@ -124,7 +125,7 @@ def test_each_record_reaches_both_and_a_resume_continues_their_runs(tmp_path):
   writer.close()
   records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
   assert [r["step"] for r in records] == [0, 1, 2, 3]
-  _check_trackers_hold(workdir, records)
+  check_trackers_hold(workdir, records)
   client, runs = mlflow_runs(workdir)
   config = client.download_artifacts(runs[0].info.run_id, "config.gin", str(tmp_path / "got"))
   assert open(config).read() == "Experiment.steps = 4\n"
@@ -158,23 +159,3 @@ def test_an_unreachable_tracking_server_is_one_line(tmp_path):
   spec = LogSpec(mlflow=MlflowSpec(tracking_uri=uri))
   with pytest.raises(UserError, match=f"mlflow spec: tracking_uri='{uri}': "):
     with_trackers(MetricsWriter(str(tmp_path), tensorboard=False), spec, str(tmp_path), True)
-
-
-def test_the_training_command_logs_to_both(tmp_path):
-  """The quickstart, a step, with both trackers on: they hold what metrics.jsonl holds, and
-  the config it ran with."""
-  from jaxrl_post import train
-  from tests.pipeline.test_devices import SMALL
-  from tests.pipeline.test_train import QUICKSTART
-
-  workdir = tmp_path / "run"
-  params = [*SMALL, "Experiment.steps = 1", "LogSpec.wandb = @WandbSpec()",
-            "WandbSpec.mode = 'offline'", "LogSpec.mlflow = @MlflowSpec()"]
-  train.main([f"--gin_file={QUICKSTART}", f"--workdir={workdir}",
-              *[f"--gin_param={p}" for p in params]])
-  records = read_metrics(str(workdir / "metrics.jsonl"))
-  assert [r["step"] for r in records] == [0, 1]
-  _check_trackers_hold(str(workdir), records)
-  _, runs = mlflow_runs(str(workdir))
-  assert runs[0].info.run_name == "run"
-  assert "WandbSpec.mode = 'offline'" in (workdir / "config.gin").read_text()
