@@ -37,6 +37,7 @@ import numpy as np
 from jaxrl_post.envs.base import Environment, Step, play
 from jaxrl_post.envs.chat import TurnFormat
 from jaxrl_post.errors import UserError
+from jaxrl_post.models.moe import NO_EXPERT
 from jaxrl_post.rewards.base import Problem
 from jaxrl_post.rewards.pool import KINDS, VerifierPool, default_workers
 from jaxrl_post.rollout import Engine, SamplingParams
@@ -94,7 +95,6 @@ class EpisodeRecord:
   reward: float
   solved: bool
   ended: str  # "done", "max_turns", "max_tokens" or "failed" (a step failed: reward 0)
-  experts: None = None
 
   @property
   def tokens(self) -> tuple[int, ...]:
@@ -126,6 +126,24 @@ class EpisodeRecord:
   @property
   def finish_reason(self) -> str:
     return self.turns[-1].completion.finish_reason
+
+  @property
+  def experts(self) -> Optional[np.ndarray]:
+    """MoE models: [P + N - 1, L, k], the experts of every token the model was fed, for
+    routing replay (as Completion.experts); None for a dense model. Each turn's record
+    spans the sequence from its start, NO_EXPERT where that turn did not feed the token
+    (a later turn prefills only the last turn's final token and the observation); an
+    observation after the last turn was never fed and stays NO_EXPERT (routes itself)."""
+    records = [turn.completion.experts for turn in self.turns]
+    if records[0] is None:
+      return None
+    first = self.turns[0].completion
+    prompt = len(records[0]) - len(first.tokens) + 1
+    out = np.full((prompt + len(self.tokens) - 1, *records[0].shape[1:]), NO_EXPERT, np.int16)
+    for record in records:
+      part, fed = out[:len(record)], record[:len(out)] != NO_EXPERT
+      part[fed] = record[:len(out)][fed]
+    return out
 
   @property
   def weight_version(self) -> int:

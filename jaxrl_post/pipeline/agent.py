@@ -46,8 +46,6 @@ class AgentRLRun(RLRun):
     if self.trainer.value_head:
       raise UserError("agent: multi-turn episodes train with group advantages (GRPO "
                       "family); a value-head model's GAE is not supported for them yet")
-    if self.model_cfg.moe is not None:
-      raise UserError("agent: multi-turn episodes do not record MoE routing for replay yet")
     self.env, self.spec = exp.task, exp.agent
     if self.spec.credit == "reward_to_go":
       turn_credit.check_estimator(exp.advantage)
@@ -115,7 +113,7 @@ class AgentRLRun(RLRun):
     trajs, behaviour = [], []
     for g in groups:
       for e in g.completions:
-        trajs.append(Trajectory(g.prompt, e.tokens, None, e.floors, e.loss_mask))
+        trajs.append(Trajectory(g.prompt, e.tokens, e.experts, e.floors, e.loss_mask))
         behaviour.append(e.logprobs)
     self._earned = [_earned_before(e) for g in groups for e in g.completions]
     return trajs, behaviour

@@ -35,12 +35,14 @@ class RoutingReplay:
   Attributes:
     mode: "replay" routes every token through the experts the rollout engine chose for it;
       "off" lets the trainer's router choose (the recorded experts are still compared).
-    measure: also run the other mode's forward (no gradient) each micro-batch, for the
-      logprob mismatch with and without replay; costs one forward.
+    measure: a diagnostic: also run the other mode's forward (no gradient) each
+      micro-batch, for the logprob mismatch with and without replay
+      (routing/mismatch_replay, routing/mismatch_free). It costs one more forward per
+      micro-batch, about a third of the train step's FLOPs, so it is off unless asked for.
   """
 
   mode: str = "replay"
-  measure: bool = True
+  measure: bool = False
 
   def __post_init__(self):
     if self.mode not in ROUTING_MODES:

@@ -82,6 +82,44 @@ def test_agent_run_trains_on_episodes_stores_them_and_resumes(tmp_path, capsys):
   assert result["eval/problems"] == 8 and "eval/pass@4" in result and "eval/maj@4" in result
 
 
+MOE = ["ModelSpec.moe = @MoeConfig()", "MoeConfig.num_experts = 4",
+       "MoeConfig.intermediate_size = 96", "TrainerConfig.routing = @RoutingReplay()",
+       "RoutingReplay.mode = 'replay'",
+       "Experiment.steps = 1", "EvalSpec.every_n_steps = 0", "CheckpointConfig.every_n_steps = 5",
+       "TrainerConfig.minibatches = 1"]
+
+
+def test_a_moe_policy_plays_episodes_with_every_fed_token_replayed(tmp_path):
+  """Each turn records the experts of the tokens it fed (the observation's included: a
+  later turn prefills them); the episode's record stitches them, so replay routes every
+  fed token as the rollout did. With one update per step the trainer routes with the
+  rollout's own float32 weights, so its router agrees with every record; records one
+  position off agreed on 0.77 of the choices, and none reached the trainer before (0.0)."""
+  workdir = str(tmp_path / "moe")
+  assert train.main(_argv(workdir, MOE)) == 0
+  last = read_metrics(os.path.join(workdir, "metrics.jsonl"))[-1]
+  assert last["step"] == 1 and last["agent/turns_mean"] > 1.0
+  assert last["train/routing/expert_agreement"] == 1.0 and np.isfinite(last["train/loss"])
+
+
+def test_an_episodes_experts_are_its_turns_records_stitched():
+  from jaxrl_post.envs.driver import EpisodeRecord, Turn
+  from jaxrl_post.rollout.scheduler import Completion
+
+  def turn(tokens, record, observation):  # record: [history + N - 1, L=1, k=1]
+    c = Completion(tokens, (0.0,) * len(tokens), "stop", (0,) * len(tokens),
+                   np.asarray(record, np.int16).reshape(-1, 1, 1))
+    return Turn(c, "", "", observation, 0.0)
+
+  # Prompt of 2, turn 1 of 2 tokens, observation of 2, turn 2 of 1 token: 7 tokens, 6 fed.
+  # Turn 2 fed turn 1's last token, the observation and nothing more (its one token ended).
+  first = turn((5, 6), [1, 2, 3], (7, 8))
+  second = turn((9,), [-1, -1, -1, 4, 5, 6], ())
+  record = EpisodeRecord((first, second), 1.0, True, "done")
+  assert record.tokens == (5, 6, 7, 8, 9)
+  np.testing.assert_array_equal(record.experts[:, 0, 0], [1, 2, 3, 4, 5, 6])
+
+
 def test_an_environment_task_runs_synchronously_and_refuses_the_asynchronous_modes():
   exp = types.SimpleNamespace(task=GuessingGame(), asynchronous=AsyncSpec(mode="bounded"))
   with pytest.raises(UserError, match="multi-turn episodes run synchronously"):

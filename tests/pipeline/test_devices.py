@@ -19,8 +19,8 @@ from tests.pipeline.test_train import QUICKSTART, ROOT, _deterministic, _wait_fo
 from tests.sharding.test_multiprocess import free_port
 from tests.xla import host_flags
 
-# The quickstart at its smallest: a few RL steps, tiny warm-up and evaluation.
-SMALL = ["Experiment.steps = 2", "SftConfig.steps = 4", "EvalSpec.num_problems = 8",
+# The quickstart at its smallest: a few RL steps, no warm-up, a small evaluation.
+SMALL = ["Experiment.steps = 2", "SftConfig.steps = 0", "EvalSpec.num_problems = 8",
          "EvalSpec.every_n_steps = 0", "RolloutSpec.prompts_per_step = 4",
          "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
          "EngineConfig.group_slots = 4", "OptimizerConfig.total_steps = 10",

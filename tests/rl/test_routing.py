@@ -54,7 +54,7 @@ def _rollout(params, dtype="bfloat16", router_noise=0.0):
 
 
 def _first_step(mode, trajs, behaviour, params):
-  trainer = Trainer(CFG, TrainerConfig(row_tokens=64, routing=RoutingReplay(mode),
+  trainer = Trainer(CFG, TrainerConfig(row_tokens=64, routing=RoutingReplay(mode, measure=True),
                                        balance_coef=0.01, loss=LossConfig()))
   state = trainer.init_state(params)
   adv = np.linspace(-1, 1, len(trajs), dtype=np.float32)
