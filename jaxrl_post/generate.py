@@ -361,7 +361,6 @@ def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int,
   # row elsewhere in the file does not change this one's samples.
   ids = [sched.submit(row.ids, sampling, n=n, seed=seed + row.line - 1) for row in rows]
   row_of = dict(zip(ids, rows))
-  left = dict.fromkeys(ids, n)  # Completions each request still waits for.
   engine.compile_ahead(sampling, max(len(row.ids) for row in rows), len(rows), n)
   done = tokens = 0
   start = time.monotonic()
@@ -372,10 +371,8 @@ def _decode_all(engine, rows: list[PromptRow], sampling, n: int, seed: int,
       tokens += sum(len(c.tokens) for *_, c in finished)
       if finished:
         bar.update(done, tokens_per_s=tokens / max(time.monotonic() - start, 1e-9))
-      for rid, *_ in finished:
-        left[rid] -= 1
-        if left[rid] == 0 and on_row is not None:
-          on_row(row_of[rid], sched.results[rid])
+      for rid in sched.completed(finished) if on_row is not None else []:
+        on_row(row_of[rid], sched.results[rid])
   return [sched.results[i] for i in ids]
 
 

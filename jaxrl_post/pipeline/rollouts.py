@@ -10,7 +10,6 @@ other prompts. What is left for the reward role once decoding ends is the last g
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from typing import Callable, Hashable, Optional, Sequence
@@ -67,15 +66,13 @@ def sample_groups(engine: Engine, problems: Sequence[Problem], prompts: Sequence
   rids = [sched.submit(tuple(ids), sampling, n=k, seed=request_seed(seed, step, i))
           for i, ids in enumerate(prompts)]
   index = {rid: i for i, rid in enumerate(rids)}
-  left = collections.Counter({rid: k for rid in rids})
   while not sched.idle:
     if between_calls is not None:
       between_calls()
-    for rid, _, _ in sched.step():
-      left[rid] -= 1
-      if left[rid] == 0 and on_group is not None:
-        i = index[rid]
-        on_group(i, Group(problems[i], list(prompts[i]), sched.results[rid]))
+    finished = sched.step()
+    for rid in sched.completed(finished) if on_group is not None else []:
+      i = index[rid]
+      on_group(i, Group(problems[i], list(prompts[i]), sched.results[rid]))
   return hosts.share([Group(p, list(ids), sched.results[rid])
                       for p, ids, rid in zip(problems, prompts, rids)], mesh)
 

@@ -245,6 +245,13 @@ class Scheduler:
       self.results[rid][i] = completion
     return finished
 
+  def completed(self, finished: list[tuple[int, int, Completion]]) -> list[int]:
+    """The requests a step's `finished` samples completed (all n done), each once, in the
+    order their last samples finished."""
+    last = {rid: i for i, (rid, _, _) in enumerate(finished)}
+    return [rid for i, (rid, _, _) in enumerate(finished)
+            if last[rid] == i and all(c is not None for c in self.results[rid])]
+
   def run(self) -> dict[int, list[Completion]]:
     """Steps until every submitted request is done; returns all results by request id."""
     while not self.idle:
