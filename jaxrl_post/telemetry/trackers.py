@@ -37,9 +37,10 @@ def _need(package: str, spec: str, install: str) -> None:
     raise UserError(f"{spec}: the {package} package is not installed (pip install {install})")
 
 
-def _optional_str(value, where: str) -> None:
-  if value is not None and not (isinstance(value, str) and value):
-    raise UserError(f"{where} must be a non-empty string or None, got {value!r}")
+def _check_str(value, where: str, optional: bool = True) -> None:
+  if not (isinstance(value, str) and value) and not (optional and value is None):
+    raise UserError(f"{where} must be a non-empty string{' or None' * optional}, "
+                    f"got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +63,9 @@ class WandbSpec:
   tags: tuple = ()
 
   def __post_init__(self):
-    _optional_str(self.project, "wandb spec: project")
-    if self.project is None:
-      raise UserError("wandb spec: project must be a non-empty string, got None")
-    _optional_str(self.entity, "wandb spec: entity")
-    _optional_str(self.name, "wandb spec: name")
+    _check_str(self.project, "wandb spec: project", optional=False)
+    _check_str(self.entity, "wandb spec: entity")
+    _check_str(self.name, "wandb spec: name")
     if self.mode not in WANDB_MODES:
       raise UserError(f"wandb spec: mode={self.mode!r} is not one of {WANDB_MODES}")
     object.__setattr__(self, "tags", tuple(self.tags))
@@ -92,11 +91,9 @@ class MlflowSpec:
   run_name: Optional[str] = None
 
   def __post_init__(self):
-    _optional_str(self.tracking_uri, "mlflow spec: tracking_uri")
-    _optional_str(self.experiment, "mlflow spec: experiment")
-    if self.experiment is None:
-      raise UserError("mlflow spec: experiment must be a non-empty string, got None")
-    _optional_str(self.run_name, "mlflow spec: run_name")
+    _check_str(self.tracking_uri, "mlflow spec: tracking_uri")
+    _check_str(self.experiment, "mlflow spec: experiment", optional=False)
+    _check_str(self.run_name, "mlflow spec: run_name")
     _need("mlflow", "mlflow spec", "mlflow")
 
 
@@ -248,11 +245,12 @@ class TrackedWriter:
     self.writer = writer
     self.trackers = trackers
 
-  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-    self.writer.write(step, metrics)
-    values = scalars({k: _plain(v) for k, v in metrics.items()})
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    record = self.writer.write(step, metrics)
+    values = scalars(record)
     for tracker in self.trackers:
-      tracker.log(int(step), values)
+      tracker.log(record["step"], values)
+    return record
 
   def truncate_after(self, step: int) -> None:
     self.writer.truncate_after(step)
@@ -263,16 +261,6 @@ class TrackedWriter:
         tracker.close()
     finally:
       self.writer.close()
-
-
-def _plain(value):
-  """A metric value as a Python number or list (device and numpy values), for `scalars`."""
-  if hasattr(value, "__array__") and not isinstance(value, (int, float, bool)):
-    import numpy as np
-
-    array = np.asarray(value)
-    return array.item() if array.ndim == 0 else array.tolist()
-  return value
 
 
 def with_trackers(writer, log_spec, workdir: str, fresh: bool):

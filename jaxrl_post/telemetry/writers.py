@@ -68,8 +68,9 @@ class MetricsWriter:
     self._events = None  # Created on first write, so a run that logs nothing leaves no file.
     self._purge_step: int | None = None
 
-  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-    """Appends one line for `step` and logs its finite scalars to TensorBoard.
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Appends one line for `step` and logs its finite scalars to TensorBoard; returns the
+    record as written (plain Python values: `to_json_value`).
 
     Args:
       step: Training step (an integer, numpy integers included).
@@ -91,6 +92,7 @@ class MetricsWriter:
     self._file.flush()
     if self.tensorboard_dir is not None:
       self._write_scalars(step, record)
+    return record
 
   def truncate_after(self, step: int) -> None:
     """Keeps only the lines with `"step" <= step`; for resuming from a checkpoint at `step`.
