@@ -21,6 +21,9 @@ safe to share: only with one does jax take the directory's file lock around each
 write. Unbounded, an entry is written in place with no lock, so another process (or a
 second thread, as in the asynchronous driver) may read it half-written and hand XLA a
 truncated executable to deserialise. Deleting the directory is always safe.
+
+A process with several CPU devices compiles without the cache (see `_loads_unsafely`):
+XLA:CPU loads a cached program's collectives without their order, which can deadlock it.
 """
 
 from __future__ import annotations
@@ -65,15 +68,17 @@ def add_cache_flag(parser: argparse.ArgumentParser) -> None:
            f"else {default_dir()})")
 
 
-def enable(flag: Optional[str] = None) -> Optional[str]:
+def enable(flag: Optional[str] = None, *, runs: bool = True) -> Optional[str]:
   """Turns jax's persistent compilation cache on (or off) for this process; returns the
-  directory in use, or None. `flag` is the `--compilation_cache` value (None: not given).
-  Call it before the first compilation; calling it again re-points the cache."""
+  directory in use, or None. `flag` is the `--compilation_cache` value (None: not given);
+  `runs`: whether the process runs programs over several devices (plan only compiles them).
+  Call it before the first compilation and after jax.distributed starts; calling it again
+  re-points the cache."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
   path = resolve(flag)
-  if path is not None and not _usable(path):
+  if path is not None and (not _usable(path) or (runs and _loads_unsafely())):
     path = None
   jax.config.update("jax_enable_compilation_cache", path is not None)
   if path is not None:
@@ -85,6 +90,31 @@ def enable(flag: Optional[str] = None) -> Optional[str]:
       jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
   compilation_cache.reset_cache()  # The cache decides once whether it is in use.
   return path
+
+
+def _loads_unsafely() -> bool:
+  """Whether an executable loaded from the cache could deadlock here: XLA:CPU (jaxlib
+  0.11) orders a program's collectives through one resource they all share when it compiles
+  the program, but gives each collective a resource of its own when it deserialises one.
+  Loaded from the cache, a program with independent collectives (the MoE train step on 8
+  CPU devices) starts them in different orders on different devices, whose threads then
+  wait in both until the pool has none left to join either, and XLA aborts the process
+  after its rendezvous timeout. So a process with several CPU devices compiles what it
+  runs; one device has no rendezvous, and GPU and TPU executables keep their order.
+  Call after jax.distributed starts (this starts the backends)."""
+  import jax
+
+  if jax.default_backend() != "cpu" or jax.local_device_count() == 1:
+    return False
+  global _said_unsafe
+  if not _said_unsafe:
+    _said_unsafe = True
+    print(f"note: {jax.local_device_count()} CPU devices: compiling without the persistent "
+          "cache (XLA:CPU loads cached collectives unordered)", file=sys.stderr)
+  return True
+
+
+_said_unsafe = False
 
 
 def _usable(path: str) -> bool:

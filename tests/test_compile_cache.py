@@ -12,6 +12,7 @@ import pytest
 from jaxrl_post import compile_cache
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.telemetry import read_metrics
+from tests.xla import host_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
@@ -20,10 +21,29 @@ _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_
 
 @pytest.fixture
 def clean_env(monkeypatch):
-  """No cache settings from the surroundings (the test suite sets jax's own)."""
+  """No cache settings from the surroundings (the test suite sets its own), and the cache
+  usable in this 8-device process, whose programs here run on one device."""
   for name in (compile_cache.ENV, "XDG_CACHE_HOME") + _JAX_ENV:
     monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(compile_cache, "_loads_unsafely", lambda: False)
   return monkeypatch
+
+
+def test_a_process_with_several_cpu_devices_compiles_without_the_cache(
+    monkeypatch, tmp_path, capsys):
+  # XLA:CPU gives each collective of a deserialised program its own ordering resource: the
+  # MoE quickstart's train step, loaded from the cache on 8 devices, deadlocked.
+  assert jax.local_device_count() == 8
+  monkeypatch.setattr(compile_cache, "_said_unsafe", False)
+  assert compile_cache.enable(str(tmp_path)) is None
+  assert not jax.config.jax_enable_compilation_cache
+  assert compile_cache.enable(str(tmp_path)) is None
+  err = capsys.readouterr().err
+  assert err == ("note: 8 CPU devices: compiling without the persistent cache (XLA:CPU "
+                 "loads cached collectives unordered)\n")  # Said once.
+  # A command that only compiles (plan) keeps it.
+  assert compile_cache.enable(str(tmp_path), runs=False) == str(tmp_path)
+  assert jax.config.jax_enable_compilation_cache
 
 
 def test_flag_wins_over_environment_which_wins_over_the_default(clean_env, tmp_path):
@@ -107,6 +127,7 @@ def _train(workdir, env, extra=()):
 def test_a_second_run_and_its_resume_compile_nothing_the_first_compiled(tmp_path):
   cache = tmp_path / "xla"
   env = {k: v for k, v in os.environ.items() if k not in _JAX_ENV}
+  env["XLA_FLAGS"] = host_flags(1)  # A cache is used by processes with one CPU device.
   longer = ["--gin_param=Experiment.steps = 3"]
   # The first run, then resumed for a third step. Its flag wins over an environment that
   # turns the cache off.

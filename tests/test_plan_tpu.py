@@ -106,9 +106,7 @@ def test_targets_name_the_published_slices():
 
 
 def _plan_cli(*args):
-  env = dict(os.environ, JAXRL_COMPILATION_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                                                                 "off"))
-  return subprocess.run([sys.executable, "-m", "jaxrl_post.plan", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "jaxrl_post.plan", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=600)
 
 
