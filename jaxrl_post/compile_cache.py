@@ -22,8 +22,7 @@ write. Unbounded, an entry is written in place with no lock, so another process 
 second thread, as in the asynchronous driver) may read it half-written and hand XLA a
 truncated executable to deserialise. Deleting the directory is always safe.
 
-A process with several CPU devices compiles without the cache (see `_loads_unsafely`):
-XLA:CPU loads a cached program's collectives without their order, which can deadlock it.
+CPU programs over several devices are neither stored nor loaded (`keep_collectives_ordered`).
 """
 
 from __future__ import annotations
@@ -68,18 +67,18 @@ def add_cache_flag(parser: argparse.ArgumentParser) -> None:
            f"else {default_dir()})")
 
 
-def enable(flag: Optional[str] = None, *, runs: bool = True) -> Optional[str]:
+def enable(flag: Optional[str] = None) -> Optional[str]:
   """Turns jax's persistent compilation cache on (or off) for this process; returns the
-  directory in use, or None. `flag` is the `--compilation_cache` value (None: not given);
-  `runs`: whether the process runs programs over several devices (plan only compiles them).
-  Call it before the first compilation and after jax.distributed starts; calling it again
-  re-points the cache."""
+  directory in use, or None. `flag` is the `--compilation_cache` value (None: not given).
+  Call it before the first compilation; calling it again re-points the cache."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
   path = resolve(flag)
-  if path is not None and (not _usable(path) or (runs and _loads_unsafely())):
+  if path is not None and not _usable(path):
     path = None
+  if path is not None:
+    keep_collectives_ordered()
   jax.config.update("jax_enable_compilation_cache", path is not None)
   if path is not None:
     jax.config.update("jax_compilation_cache_dir", path)
@@ -92,29 +91,37 @@ def enable(flag: Optional[str] = None, *, runs: bool = True) -> Optional[str]:
   return path
 
 
-def _loads_unsafely() -> bool:
-  """Whether an executable loaded from the cache could deadlock here: XLA:CPU (jaxlib
-  0.11) orders a program's collectives through one resource they all share when it compiles
-  the program, but gives each collective a resource of its own when it deserialises one.
-  Loaded from the cache, a program with independent collectives (the MoE train step on 8
-  CPU devices) starts them in different orders on different devices, whose threads then
-  wait in both until the pool has none left to join either, and XLA aborts the process
-  after its rendezvous timeout. So a process with several CPU devices compiles what it
-  runs; one device has no rendezvous, and GPU and TPU executables keep their order.
-  Call after jax.distributed starts (this starts the backends)."""
-  import jax
+def keep_collectives_ordered() -> None:
+  """Keeps XLA:CPU programs over several devices out of the cache, both ways. When XLA:CPU
+  (jaxlib 0.11) compiles a program, its collectives share one resource that orders them;
+  when it deserialises one, each gets a resource of its own. Loaded from the cache, a
+  program with independent collectives (the MoE train step on 8 CPU devices) starts them
+  in different orders on different devices, whose threads then wait in both until the
+  pool has none left to join either, and XLA aborts the process after its rendezvous
+  timeout. One device has no rendezvous; GPU and TPU executables keep their order.
+  jax has no per-program switch for its cache: this wraps its read and write (jax is
+  pinned, and tests/test_compile_cache.py fails if they move)."""
+  from jax._src import compilation_cache as cache
 
-  if jax.default_backend() != "cpu" or jax.local_device_count() == 1:
-    return False
-  global _said_unsafe
-  if not _said_unsafe:
-    _said_unsafe = True
-    print(f"note: {jax.local_device_count()} CPU devices: compiling without the persistent "
-          "cache (XLA:CPU loads cached collectives unordered)", file=sys.stderr)
-  return True
+  if getattr(cache.get_executable_and_time, "_keeps_order", False):
+    return
+  get, put = cache.get_executable_and_time, cache.put_executable_and_time
 
+  def unordered(backend, devices) -> bool:
+    return backend.platform == "cpu" and len(devices) > 1
 
-_said_unsafe = False
+  def get_ordered(cache_key, compile_options, backend, executable_devices, *args, **kwargs):
+    if unordered(backend, executable_devices):
+      return None, None
+    return get(cache_key, compile_options, backend, executable_devices, *args, **kwargs)
+
+  def put_ordered(cache_key, module_name, executable, backend, *args, **kwargs):
+    if unordered(backend, executable.local_devices()):
+      return None
+    return put(cache_key, module_name, executable, backend, *args, **kwargs)
+
+  get_ordered._keeps_order = True
+  cache.get_executable_and_time, cache.put_executable_and_time = get_ordered, put_ordered
 
 
 def _usable(path: str) -> bool:

@@ -95,8 +95,8 @@ def prepare(argv: Sequence[str]):
   from jaxrl_post.pipeline import config
 
   args = _parser().parse_args(argv)
+  compile_cache.enable(args.compilation_cache)
   start_distributed(args)
-  compile_cache.enable(args.compilation_cache)  # It looks at the devices jax.distributed sets.
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   for path in args.gin_file:

@@ -5,17 +5,15 @@ import os
 from tests.xla import host_flags  # Imports no jax.
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + host_flags(8)).strip()
-# Many training runs the tests start as subprocesses compile the same programs: the
-# commands' persistent compilation cache compiles each once per machine (keys cover the
-# program, devices, flags and jax version, so a stale entry is never used). Commands with
-# several CPU devices, and these 8-device test processes themselves, compile without it:
-# XLA:CPU loads a cached program's collectives unordered (jaxrl_post/compile_cache.py).
-os.environ.setdefault("JAXRL_COMPILATION_CACHE", os.path.join(
+# Many tests (and the training runs they start as subprocesses, which inherit this) compile
+# the same programs: a persistent compilation cache compiles each once per machine. Keys
+# cover the program, devices, flags and jax version, so a stale entry is never used.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# Bounded, so jax locks the directory around each entry's read and write: the runs share
-# it, and an unlocked entry read half-written crashes the reader (see the same module).
+# Bounded, so jax locks the directory around each entry's read and write: the test
+# processes and the runs they start share it, and an unlocked entry read half-written
+# crashes the reader (see jaxrl_post/compile_cache.py).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # libtpu (the `tpu` extra) compiles for abstract TPU slices on this CPU host: let the
 # test processes load it side by side, without looking for TPU hardware or metadata.
@@ -26,9 +24,15 @@ compile_only_tpu_env()
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
+from jaxrl_post import compile_cache  # noqa: E402
+
+compile_cache.keep_collectives_ordered()  # These processes cache their own programs too.
+
 from tests import suite_health  # noqa: E402
 
-# (A test process's long life once crashed XLA:CPU while it serialised an executable: the
+# The test processes read and write the cache too: a test's in-process run and the runs it
+# starts as subprocesses (a straight run against a killed and resumed one) compile the same
+# programs. (Their long life once crashed XLA:CPU while it serialised an executable: the
 # process had run out of memory mappings, see tests/suite_health.py.)
 
 

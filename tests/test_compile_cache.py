@@ -12,7 +12,6 @@ import pytest
 from jaxrl_post import compile_cache
 from jaxrl_post.pipeline.compiles import CompileCounter
 from jaxrl_post.telemetry import read_metrics
-from tests.xla import host_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
@@ -21,29 +20,10 @@ _JAX_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_
 
 @pytest.fixture
 def clean_env(monkeypatch):
-  """No cache settings from the surroundings (the test suite sets its own), and the cache
-  usable in this 8-device process, whose programs here run on one device."""
+  """No cache settings from the surroundings (the test suite sets jax's own)."""
   for name in (compile_cache.ENV, "XDG_CACHE_HOME") + _JAX_ENV:
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setattr(compile_cache, "_loads_unsafely", lambda: False)
   return monkeypatch
-
-
-def test_a_process_with_several_cpu_devices_compiles_without_the_cache(
-    monkeypatch, tmp_path, capsys):
-  # XLA:CPU gives each collective of a deserialised program its own ordering resource: the
-  # MoE quickstart's train step, loaded from the cache on 8 devices, deadlocked.
-  assert jax.local_device_count() == 8
-  monkeypatch.setattr(compile_cache, "_said_unsafe", False)
-  assert compile_cache.enable(str(tmp_path)) is None
-  assert not jax.config.jax_enable_compilation_cache
-  assert compile_cache.enable(str(tmp_path)) is None
-  err = capsys.readouterr().err
-  assert err == ("note: 8 CPU devices: compiling without the persistent cache (XLA:CPU "
-                 "loads cached collectives unordered)\n")  # Said once.
-  # A command that only compiles (plan) keeps it.
-  assert compile_cache.enable(str(tmp_path), runs=False) == str(tmp_path)
-  assert jax.config.jax_enable_compilation_cache
 
 
 def test_flag_wins_over_environment_which_wins_over_the_default(clean_env, tmp_path):
@@ -91,6 +71,26 @@ def test_an_unwritable_directory_warns_and_compiles_without_a_cache(
   assert not jax.config.jax_enable_compilation_cache
 
 
+def test_cpu_programs_over_several_devices_are_neither_stored_nor_loaded(clean_env, tmp_path):
+  """XLA:CPU deserialises each collective with an ordering resource of its own: loaded from
+  the cache on 8 CPU devices, the MoE quickstart's train step started its collectives in
+  different orders on different devices and deadlocked. One-device programs are cached."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  compile_cache.enable(str(tmp_path))
+  mesh = jax.make_mesh((8,), ("x",))
+  x = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh, P("x")))
+  sharded = jax.jit(lambda v: jnp.sum(v * 2.0) + jnp.max(v))  # Two collectives.
+  single = jax.jit(lambda v: jnp.cumsum(v * 5.0))
+  for _ in range(2):  # The second time from disk, as a new process would.
+    with CompileCounter() as counts:
+      assert float(sharded(x)) == 255.0
+      single(np.arange(4, dtype=np.float32)).block_until_ready()
+    jax.clear_caches()
+  assert (counts.total, counts.cache_hits) == (1, 1)  # The 8-device program compiled again.
+  assert len([f for f in os.listdir(tmp_path) if f.endswith("-cache")]) == 1
+
+
 def test_a_program_loaded_from_the_cache_is_not_counted_as_compiled(
     clean_env, tmp_path):
   compile_cache.enable(str(tmp_path))
@@ -127,7 +127,6 @@ def _train(workdir, env, extra=()):
 def test_a_second_run_and_its_resume_compile_nothing_the_first_compiled(tmp_path):
   cache = tmp_path / "xla"
   env = {k: v for k, v in os.environ.items() if k not in _JAX_ENV}
-  env["XLA_FLAGS"] = host_flags(1)  # A cache is used by processes with one CPU device.
   longer = ["--gin_param=Experiment.steps = 3"]
   # The first run, then resumed for a third step. Its flag wins over an environment that
   # turns the cache off.

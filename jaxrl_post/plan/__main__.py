@@ -79,8 +79,7 @@ def run(argv: Sequence[str]) -> int:
   targets.prepare(target)  # before jax starts its backends
   # A compile-only TPU client cannot load executables back from the persistent cache.
   on_tpu = target.chip is not None and target.chip.platform == "tpu"
-  # It runs no program over several devices (its peaks are measured on one).
-  compile_cache.enable("off" if on_tpu else args.compilation_cache, runs=False)
+  compile_cache.enable("off" if on_tpu else args.compilation_cache)
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   plugins.import_modules(args.gin_import)  # The config may bind the user's own classes.
