@@ -86,7 +86,8 @@ MOE = ["ModelSpec.moe = @MoeConfig()", "MoeConfig.num_experts = 4",
        "MoeConfig.intermediate_size = 96", "TrainerConfig.routing = @RoutingReplay()",
        "RoutingReplay.mode = 'replay'",
        "Experiment.steps = 1", "EvalSpec.every_n_steps = 0", "CheckpointConfig.every_n_steps = 5",
-       "TrainerConfig.minibatches = 1"]
+       "TrainerConfig.minibatches = 1",
+       "PlacementConfig.num_devices = 1"]  # MoE rollouts on a mesh: tests/rollout/test_moe.py.
 
 
 def test_a_moe_policy_plays_episodes_with_every_fed_token_replayed(tmp_path):
