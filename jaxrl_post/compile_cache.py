@@ -107,17 +107,17 @@ def keep_collectives_ordered() -> None:
     return
   get, put = cache.get_executable_and_time, cache.put_executable_and_time
 
-  def unordered(backend, devices) -> bool:
-    return backend.platform == "cpu" and len(devices) > 1
-
   def get_ordered(cache_key, compile_options, backend, executable_devices, *args, **kwargs):
-    if unordered(backend, executable_devices):
+    if backend.platform == "cpu" and len(executable_devices) > 1:
       return None, None
     return get(cache_key, compile_options, backend, executable_devices, *args, **kwargs)
 
   def put_ordered(cache_key, module_name, executable, backend, *args, **kwargs):
-    if unordered(backend, executable.local_devices()):
-      return None
+    if backend.platform == "cpu":
+      # An executable compiled without loading has no devices to count: not stored.
+      local = getattr(executable, "local_devices", None)
+      if local is None or len(local()) > 1:
+        return None
     return put(cache_key, module_name, executable, backend, *args, **kwargs)
 
   get_ordered._keeps_order = True
