@@ -17,12 +17,14 @@ from jaxrl_post.telemetry import read_metrics
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 AGENT = os.path.join(ROOT, "configs", "quickstart_agent.gin")
-# The agent quickstart shrunk to seconds; on every device of the suite (8), as users may.
+# The agent quickstart shrunk to seconds, on one device (episodes on a rollout mesh equal one
+# device's: tests/envs/test_driver.py).
 FAST = ["Experiment.steps = 3", "SftConfig.steps = 4", "EvalSpec.every_n_steps = 2",
         "EvalSpec.num_problems = 8", "EvalSpec.samples = 4", "RolloutSpec.prompts_per_step = 4",
         "RolloutSpec.group_size = 4", "EngineConfig.num_slots = 16",
         "CheckpointConfig.every_n_steps = 1", "OptimizerConfig.total_steps = 10",
-        "AgentSpec.env_workers = 2"]  # A guess is a comparison: 2 workers keep up.
+        "AgentSpec.env_workers = 2",  # A guess is a comparison: 2 workers keep up.
+        "PlacementConfig.num_devices = 1"]
 
 
 def _argv(workdir, extra=()):
@@ -86,8 +88,7 @@ MOE = ["ModelSpec.moe = @MoeConfig()", "MoeConfig.num_experts = 4",
        "MoeConfig.intermediate_size = 96", "TrainerConfig.routing = @RoutingReplay()",
        "RoutingReplay.mode = 'replay'",
        "Experiment.steps = 1", "EvalSpec.every_n_steps = 0", "CheckpointConfig.every_n_steps = 5",
-       "TrainerConfig.minibatches = 1",
-       "PlacementConfig.num_devices = 1"]  # MoE rollouts on a mesh: tests/rollout/test_moe.py.
+       "TrainerConfig.minibatches = 1"]
 
 
 def test_a_moe_policy_plays_episodes_with_every_fed_token_replayed(tmp_path):
