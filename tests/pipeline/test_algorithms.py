@@ -13,6 +13,8 @@ from jaxrl_post.pipeline import dynamic
 from jaxrl_post.rewards import VerifierStats
 from jaxrl_post.telemetry import read_metrics
 
+pytestmark = pytest.mark.xdist_group("algorithms")  # One worker builds the DAPO run once.
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CONFIGS = os.path.join(ROOT, "configs")
 # As test_train.py shrinks the quickstart: few steps, small groups, a checkpoint every step;
@@ -69,8 +71,13 @@ def test_lora_config_syncs_only_the_adapters(tmp_path):
   assert records[-1]["weight_version"] == 2 and "eval/accuracy" in records[-1]
 
 
-def test_dapo_config_refills_and_shapes(tmp_path):
-  records = _run("quickstart_dapo.gin", tmp_path / "dapo")
+@pytest.fixture(scope="module")
+def dapo_run(tmp_path_factory):
+  return _run("quickstart_dapo.gin", tmp_path_factory.mktemp("dapo") / "straight")
+
+
+def test_dapo_config_refills_and_shapes(dapo_run):
+  records = dapo_run
   assert [r["step"] for r in records] == [0, 1, 2]
   for r in records[1:]:
     _finite(r)
@@ -86,8 +93,8 @@ def _deterministic(records):
 
 
 @pytest.mark.slow(reason="a straight run against a run cut short and resumed")
-def test_dapo_resume_gives_the_uninterrupted_metrics(tmp_path):
-  straight = _run("quickstart_dapo.gin", tmp_path / "straight")
+def test_dapo_resume_gives_the_uninterrupted_metrics(tmp_path, dapo_run):
+  straight = dapo_run
   _run("quickstart_dapo.gin", tmp_path / "cut", ["Experiment.steps = 1"])
   resumed = _run("quickstart_dapo.gin", tmp_path / "cut")
   # The cut run's last step (1) was also evaluated: a run always evaluates its last step.
