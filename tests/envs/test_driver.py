@@ -64,7 +64,12 @@ def test_episodes_are_the_policys_own_tokens_with_observations_masked():
       assert len(mask) == len(e.tokens) == len(logprobs) == len(e.versions)
       assert np.all(logprobs[mask == 0] == 0.0)
       seq = np.asarray(prompt + list(e.tokens), np.int32)
-      full = np.asarray(_logits(params_of(_model()), jnp.asarray(seq)), np.float64)
+      # Padded to one length, so one program serves every episode (causal: the padding
+      # after the episode changes none of its positions).
+      padded = np.zeros(ENGINE.max_seq_len, np.int32)
+      padded[:len(seq)] = seq
+      full = np.asarray(_logits(params_of(_model()), jnp.asarray(padded)), np.float64)
+      full = full[:len(seq)]
       want = jax.nn.log_softmax(full, axis=-1)[len(prompt) - 1:-1]
       picked = np.asarray(want)[np.arange(len(e.tokens)), list(e.tokens)]
       # Every model token's behaviour logprob is the full forward's over the whole
