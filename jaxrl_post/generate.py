@@ -110,6 +110,7 @@ def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: i
   """
   from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
   from jaxrl_post.rollout.engine import MAX_SLOTS
+  from jaxrl_post.rollout.layout import batch_shards
   from jaxrl_post.rollout.pages import sequences_held
   from jaxrl_post.rollout.pages import cdiv, host_available_bytes, resolve_num_pages
 
@@ -131,7 +132,7 @@ def _engine_for(model, longest_prompt: int, max_new_tokens: int, num_stop_ids: i
   # has free, if more than PoolConfig's fixed fallback. That fallback held 181 of
   # bench_generate's 300 chat prompts, which then decoded in two waves.
   fallback = max(PoolConfig.fallback_bytes, host_available_bytes() // 4)
-  shards = 1 if mesh is None else mesh.shape["data"]
+  shards = 1 if mesh is None else batch_shards(mesh)
   device = None if mesh is None else mesh.devices.flat[0]
   budget = resolve_num_pages(PoolConfig(page_size=page_size, fallback_bytes=fallback),
                              model.config, model.config.compute_dtype, device,

@@ -9,6 +9,12 @@ Training shards every matrix's output dimension over ("tensor", "fsdp") and fall
 the input ("embed") dimension over "fsdp"; rollout shards the same dimensions over "tensor"
 only and replicates over "data". Going from training to rollout is then one all-gather
 over "fsdp" per weight.
+
+"expert" splits a mixture-of-experts layer's experts, and it is a batch axis too: every
+device holds its own tokens, so attention, norms, dense layers and the KV pool are split
+over it like over "data" (not replicated), and only the expert block moves tokens to the
+shards holding their experts and back (models.moe). Without experts an "expert" axis of
+size > 1 is one more data axis.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 TRAINING_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "expert", "fsdp")),
     ("expert", ("expert",)),
     ("vocab", ("tensor", "fsdp")),
     ("mlp", ("tensor", "fsdp")),
@@ -32,7 +38,7 @@ TRAINING_RULES: Rules = (
 )
 
 ROLLOUT_RULES: Rules = (
-    ("batch", ("data",)),
+    ("batch", ("data", "expert")),
     ("expert", ("expert",)),
     ("vocab", ("tensor",)),
     ("mlp", ("tensor",)),

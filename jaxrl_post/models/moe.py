@@ -12,8 +12,9 @@ choice. Recorded ids that are not replayed are still compared with the router's 
 choice, which is how often replay changes anything.
 
 Experts are sharded over the mesh's "expert" axis when the active rules give it one (see
-sharding.rules): every device of an expert shard sees its batch shard's tokens, runs the
-pairs that chose its own experts, and the partial outputs are summed over "expert".
+sharding.rules), and so are the tokens: attention and the dense layers run on each
+device's own tokens, and the expert block moves them to the shards holding their experts
+and back (_sharded_experts).
 """
 
 from __future__ import annotations
@@ -138,7 +139,16 @@ def moe_block(cfg: ModelConfig, h, p, recorded=None, valid=None, replay: bool = 
 
 
 def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
-  """experts_ffn, per expert shard under shard_map when the rules split "expert"."""
+  """experts_ffn, per expert shard under shard_map when the rules split "expert".
+
+  "expert" is a batch axis too (sharding.rules): each shard of it holds its own tokens.
+  The block gathers the tokens of the shards along "expert" (the devices that together
+  hold every expert for those tokens), runs the pairs that chose this shard's experts, and
+  reduce-scatters the partial outputs back to the tokens' own shards -- dropless, with no
+  capacity, and each device's expert FLOPs a 1/E share of the routed pairs. Tokens that
+  the expert axis does not divide stay whole on every expert shard and the partial outputs
+  are summed instead.
+  """
   active = active_rules()
   if active is None:
     return experts_ffn(x, ids, gates, w_gate, w_up, w_down)
@@ -149,10 +159,15 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
   rows = logical_to_spec(("batch", None), x.shape, rules, mesh)[0]
   tokens, weights = PartitionSpec(rows, None), PartitionSpec(axis, None, None)
   per_shard = w_gate.shape[0] // mesh.shape[axis]
+  dispatch = axis in ((rows,) if isinstance(rows, str) else (rows or ()))
 
   def local(x, ids, gates, wg, wu, wd):
     first = jax.lax.axis_index(axis) * per_shard
-    return jax.lax.psum(experts_ffn(x, ids, gates, wg, wu, wd, first), axis)
+    if not dispatch:
+      return jax.lax.psum(experts_ffn(x, ids, gates, wg, wu, wd, first), axis)
+    group = [jax.lax.all_gather(a, axis, tiled=True) for a in (x, ids, gates)]
+    out = experts_ffn(*group, wg, wu, wd, first)
+    return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weights, weights,
                                                     weights),

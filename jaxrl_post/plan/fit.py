@@ -86,8 +86,10 @@ def _rollout_tensor(exp, mesh):
 
 
 def _slots(exp, mesh):
+  from jaxrl_post.rollout.layout import batch_shards
+
   eng = exp.rollout.engine
-  if eng.num_slots is None or eng.num_slots // 2 < max(eng.group_slots, 1) * mesh["data"]:
+  if eng.num_slots is None or eng.num_slots // 2 < max(eng.group_slots, 1) * batch_shards(mesh):
     return None
   return {"EngineConfig.num_slots": eng.num_slots // 2}
 

@@ -19,6 +19,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_bytes
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
+from jaxrl_post.rollout.layout import batch_shards
 from jaxrl_post.rollout.pages import page_bytes, pool_pages
 
 PAYLOAD_BYTES_PER_TOKEN = 12  # token id, behaviour logprob, weight version (4 bytes each)
@@ -97,7 +98,7 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   from jaxrl_post.pipeline.pipelined import versions_in_flight  # (pipeline imports plan)
 
   s, cfg, train = p.shapes, p.model, p.train
-  tensor, data = p.meshes.rollout.shape["tensor"], p.meshes.rollout.shape["data"]
+  tensor, data = p.meshes.rollout.shape["tensor"], batch_shards(p.meshes.rollout)
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   kv_shards = kv_head_shards(cfg, tensor)
   kv_per_token = page_bytes(cfg, 1, kv_dtype) // kv_shards
@@ -130,7 +131,7 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
   """(terms, calls) per role over one step: how often each program runs, and its
   compute, memory and collective seconds on `chip`."""
   s, r = p.shapes, exp.rollout
-  data_shards = p.meshes.rollout.shape["data"]
+  data_shards = batch_shards(p.meshes.rollout)
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
   calls = {
       "prefill": math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width)),

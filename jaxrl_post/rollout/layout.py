@@ -2,13 +2,15 @@
 
 One jitted decode program runs over the whole rollout mesh:
 
-* decode slots (and prefill rows, and blocks of slots) are sharded over "data": data shard
-  s owns slots [s * B/D, (s + 1) * B/D) and its own range of KV pages;
+* decode slots (and prefill rows, and blocks of slots) are sharded over the batch axes
+  ("data", then "expert": a mixture-of-experts mesh splits its tokens over the expert axis
+  too, so attention and KV are not replicated over it): batch shard s owns slots
+  [s * B/D, (s + 1) * B/D) and its own range of KV pages;
 * the KV pool ``[Hkv, L, D * P, page, hd]`` is sharded over "tensor" on its KV heads (when
-  they divide, else replicated, as the rules table does for the weights) and over "data"
-  on its pages, so each device holds P pages of its KV heads;
-* page ids in page tables are local to the data shard (0..P-1, page 0 the shard's write
-  sink). The host keeps one allocator per data shard.
+  they divide, else replicated, as the rules table does for the weights) and over the
+  batch axes on its pages, so each device holds P pages of its KV heads;
+* page ids in page tables are local to the batch shard (0..P-1, page 0 the shard's write
+  sink). The host keeps one allocator per batch shard.
 
 The model's matrices run under GSPMD with the weights in the rollout sharding; only the
 paged KV write and the attention, whose page ids are shard-local, run per device inside
@@ -26,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.sharding import AXES
+from jaxrl_post.sharding import AXES, ROLLOUT_RULES
 from jaxrl_post.sharding.platform import mesh_platform
 
 
@@ -64,7 +66,8 @@ class RolloutLayout:
 
   @property
   def data_shards(self) -> int:
-    return self.mesh.shape["data"]
+    """Batch shards: the slots, pages and page allocators are split this many ways."""
+    return batch_shards(self.mesh)
 
   @property
   def local_device(self) -> jax.Device:
@@ -78,13 +81,13 @@ class RolloutLayout:
 
   @property
   def pool_spec(self) -> P:  # [Hkv, L, pages, page, hd]
-    return P(self.kv_axis, None, "data", None, None)
+    return P(self.kv_axis, None, BATCH_AXES, None, None)
 
   def rows_spec(self, ndim: int) -> P:  # [B, ...]: slots, prefill rows or blocks
-    return P("data", *([None] * (ndim - 1)))
+    return P(BATCH_AXES, *([None] * (ndim - 1)))
 
   def heads_spec(self, ndim: int) -> P:  # [B, (T,) H, hd]: queries, keys, values, outputs
-    return P("data", *([None] * (ndim - 3)), self.kv_axis, None)
+    return P(BATCH_AXES, *([None] * (ndim - 3)), self.kv_axis, None)
 
   def sharding(self, spec: P) -> NamedSharding:
     return NamedSharding(self.mesh, spec)
@@ -99,7 +102,7 @@ class RolloutLayout:
   # ---------------------------------------------------------------- placement
 
   def put_rows(self, tree):
-    """Host arrays with a leading slot/row axis -> global arrays sharded over "data".
+    """Host arrays with a leading slot/row axis -> global arrays split over the batch axes.
 
     Every process passes the same full host arrays (the schedulers run in lockstep), so
     each process places just the shards of its own devices.
@@ -119,6 +122,16 @@ class RolloutLayout:
 def _put(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
   # make_array_from_callback works across processes: each places its addressable shards.
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index], dtype=x.dtype)
+
+
+# The mesh axes the rollout's rows are split over: the rules' "batch" axes, in their order.
+BATCH_AXES: tuple[str, ...] = dict(ROLLOUT_RULES)["batch"]
+
+
+def batch_shards(mesh) -> int:
+  """How many ways a rollout mesh (a Mesh or a {axis: size} mapping) splits its rows."""
+  shape = getattr(mesh, "shape", mesh)
+  return int(np.prod([shape[a] for a in BATCH_AXES]))
 
 
 def shard_count(num_slots: int, data_shards: int, block: int) -> int:

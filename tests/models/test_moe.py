@@ -130,7 +130,15 @@ def test_the_router_gets_a_gradient_under_replay():
   assert np.abs(np.asarray(grad)).max() > 0
 
 
-def test_experts_sharded_over_the_expert_axis_equal_one_device_forward_and_gradient():
+EXPERT_MESHES = {  # Tokens over (data, expert) and experts over "expert", as a user sets.
+    "fsdp2_expert2_tensor2": MeshConfig(data=1, fsdp=2, expert=2, tensor=2),
+    "expert4_data2": MeshConfig(data=2, fsdp=1, expert=4),
+    "expert8": MeshConfig(fsdp=1, expert=8),
+}
+
+
+@pytest.mark.parametrize("mesh_cfg", list(EXPERT_MESHES.values()), ids=list(EXPERT_MESHES))
+def test_experts_sharded_over_the_expert_axis_equal_one_device_forward_and_gradient(mesh_cfg):
   model = tiny_moe()
   ids = np.random.default_rng(3).integers(0, 128, (4, 16))
   segments = jnp.ones((4, 16), jnp.int32)
@@ -141,7 +149,7 @@ def test_experts_sharded_over_the_expert_axis_equal_one_device_forward_and_gradi
     return jnp.sum(h ** 2) + jnp.sum(routing.balance), h
 
   (want_loss, want_h), want_g = jax.value_and_grad(loss, has_aux=True)(params)
-  mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2), jax.devices())
+  mesh = make_mesh(mesh_cfg, jax.devices())
   axes = logical_axes(model)
   assert axes["layers"]["we_gate"] == ("layers", "expert", "embed", "mlp")
   shardings = tree_shardings(axes, params, TRAINING_RULES, mesh)
@@ -158,6 +166,29 @@ def test_experts_sharded_over_the_expert_axis_equal_one_device_forward_and_gradi
   for name in ("router", "we_gate", "we_down", "wq"):
     np.testing.assert_allclose(got_g["layers"][name], want_g["layers"][name], atol=1e-4,
                                rtol=1e-3, err_msg=name)
+
+
+def test_expert_parallel_forward_splits_every_layers_flops_over_the_expert_axis():
+  """Per-device FLOPs of the compiled forward with experts over 8 devices: an eighth of one
+  device's (attention, dense layers and experts alike), not one device's attention plus an
+  eighth of the experts as when tokens were replicated over "expert"."""
+  model = tiny_moe()
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, 128, (8, 32)))
+  params = params_of(model)
+
+  def flops(mesh):
+    shardings = tree_shardings(logical_axes(model), params, TRAINING_RULES, mesh)
+
+    def run(p, ids):
+      with activation_rules(TRAINING_RULES, mesh):
+        return forward(with_params(model, p), ids)[0]
+
+    compiled = jax.jit(run).lower(jax.device_put(params, shardings), ids).compile()
+    return compiled.cost_analysis()["flops"]
+
+  one = flops(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+  eight = flops(make_mesh(MeshConfig(fsdp=1, expert=8), jax.devices()))
+  assert eight <= 1.3 * one / 8, (one, eight)
 
 
 def test_moe_config_errors_are_one_line():

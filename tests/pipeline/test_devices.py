@@ -27,8 +27,8 @@ SMALL = ["Experiment.steps = 2", "SftConfig.steps = 0", "EvalSpec.num_problems =
          "LogSpec.progress = False"]
 
 
-def _cmd(workdir, extra=()):
-  return ([sys.executable, "-m", "jaxrl_post.train", f"--gin_file={QUICKSTART}",
+def _cmd(workdir, extra=(), config=QUICKSTART):
+  return ([sys.executable, "-m", "jaxrl_post.train", f"--gin_file={config}",
            f"--workdir={workdir}"] + [f"--gin_param={p}" for p in SMALL] + list(extra))
 
 
@@ -38,8 +38,8 @@ def _env(devices: int) -> dict:
   return env
 
 
-def _run(workdir, devices: int, extra=()) -> list[dict]:
-  done = subprocess.run(_cmd(workdir, extra), env=_env(devices), capture_output=True,
+def _run(workdir, devices: int, extra=(), config=QUICKSTART) -> list[dict]:
+  done = subprocess.run(_cmd(workdir, extra, config), env=_env(devices), capture_output=True,
                         text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "held-out accuracy:" in done.stdout
@@ -112,6 +112,18 @@ def test_default_placement_gives_the_one_device_run_on(devices, baseline):
     assert [r["step"] for r in records] == [0, 1, 2], n
     assert records[-1]["weight_version"] == 2
   _close(runs[devices], runs[1])
+
+
+@pytest.mark.slow(reason="the MoE quickstart on 1 device and with 8 expert shards")
+def test_moe_quickstart_with_experts_over_8_devices_gives_the_one_device_run(tmp_path):
+  """configs/quickstart_moe.gin puts its 8 experts on the "expert" axis of every device,
+  and the tokens too: each device trains and decodes its own rows, and the expert block
+  sends tokens to their experts' devices and back. The metrics (routing agreement and
+  the logprob mismatch with and without replay included) are the one-device run's."""
+  config = os.path.join(ROOT, "configs", "quickstart_moe.gin")
+  runs = {n: _run(tmp_path / str(n), n, config=config) for n in (1, 8)}
+  assert runs[8][-1]["train/routing/expert_agreement"] > 0.9
+  _close(runs[8], runs[1])
 
 
 SPLIT = ["--gin_param=PlacementConfig.mode = 'split'",

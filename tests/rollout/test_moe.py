@@ -79,6 +79,12 @@ def test_sampled_rollout_on_a_mesh_with_experts_split_records_the_experts():
   mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=2, tensor=2), jax.devices())
   eng = Engine.from_model(model, cfg, mesh=mesh)
   assert eng.params["layers"]["we_gate"].sharding.spec[1] == "expert"
+  # Slots and KV pages split over data x expert (4 shards), not replicated over "expert":
+  # each device holds its shard's pages, of the KV heads its tensor shard owns.
+  assert eng.shards == 4
+  pages = eng.pool.k.shape[2]
+  assert {s.data.shape[2] for s in eng.pool.k.addressable_shards} == {pages // 4}
+  assert len({s.index for s in eng.pool.k.addressable_shards}) == 8
   out = generate(eng, prompts, n=2, sampling=SamplingParams(temperature=1.0, max_tokens=12,
                                                             seed=3))
   _check_recorded(model, prompts, out)
