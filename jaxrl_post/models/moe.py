@@ -94,10 +94,11 @@ def experts_ffn(x, ids, gates, w_gate, w_up, w_down, first_expert=0):
   gate = jax.lax.ragged_dot(rows, w_gate.astype(dt), sizes)
   up = jax.lax.ragged_dot(rows, w_up.astype(dt), sizes)
   out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), sizes)  # [N * k, D]
-  weight = (gates.reshape(-1) * held)[order]  # 0 for rows beyond the groups
-  out = out.astype(jnp.float32) * weight[:, None]
-  combined = jnp.zeros((n * k, out.shape[1]), jnp.float32).at[order].set(out)
-  return combined.reshape(n, k, -1).sum(axis=1).astype(dt)
+  # Back to (token, choice) order by a gather (the inverse permutation), in x's dtype: no
+  # float32 [N * k, D] buffer, the largest of a MoE train step.
+  pairs = jnp.take(out, jnp.argsort(order), axis=0).reshape(n, k, -1)
+  weight = (gates.reshape(-1) * held).reshape(n, k, 1)  # 0 for pairs held elsewhere
+  return jnp.sum(pairs.astype(jnp.float32) * weight, axis=1).astype(dt)
 
 
 def balance_loss(probs, ids, valid, num_experts: int):

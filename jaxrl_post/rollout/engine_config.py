@@ -48,7 +48,7 @@ class EngineConfig:
       see rollout.prefix_cache). The cache holds its pages
       until the pool runs short, the weights change, or `drop_prefix_cache`.
     split_layers: hold the weights one buffer per layer and unroll the layers in the
-      engine's programs (rollout.weights); None decides by the mesh's platform (GPU: yes).
+      engine's programs (rollout.weights); None decides by platform (GPU: yes; TPU: for MoE).
   """
 
   num_slots: int | None = None
