@@ -148,7 +148,9 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
   reduce-scatters the partial outputs back to the tokens' own shards -- dropless, with no
   capacity, and each device's expert FLOPs a 1/E share of the routed pairs. Tokens that
   the expert axis does not divide stay whole on every expert shard and the partial outputs
-  are summed instead.
+  are summed instead. Expert matrices split over "tensor" on their hidden (mlp) dimension
+  stay split: each tensor shard runs its columns and the outputs are summed over "tensor"
+  (gathering them instead would copy every expert matrix in every decode step).
   """
   active = active_rules()
   if active is None:
@@ -158,21 +160,31 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
   if axis is None:
     return experts_ffn(x, ids, gates, w_gate, w_up, w_down)
   rows = logical_to_spec(("batch", None), x.shape, rules, mesh)[0]
-  tokens, weights = PartitionSpec(rows, None), PartitionSpec(axis, None, None)
+  mlp = logical_to_spec(("expert", "embed", "mlp"), w_gate.shape, rules, mesh)[2]
+  tp = "tensor" if "tensor" in _names(mlp) and "tensor" not in _names(rows) else None
+  tokens = PartitionSpec(rows, None)
+  up_spec, down_spec = PartitionSpec(axis, None, tp), PartitionSpec(axis, tp, None)
   per_shard = w_gate.shape[0] // mesh.shape[axis]
-  dispatch = axis in ((rows,) if isinstance(rows, str) else (rows or ()))
+  dispatch = axis in _names(rows)
 
   def local(x, ids, gates, wg, wu, wd):
     first = jax.lax.axis_index(axis) * per_shard
-    if not dispatch:
-      return jax.lax.psum(experts_ffn(x, ids, gates, wg, wu, wd, first), axis)
-    group = [jax.lax.all_gather(a, axis, tiled=True) for a in (x, ids, gates)]
-    out = experts_ffn(*group, wg, wu, wd, first)
-    return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+    if dispatch:
+      group = [jax.lax.all_gather(a, axis, tiled=True) for a in (x, ids, gates)]
+      out = experts_ffn(*group, wg, wu, wd, first)
+      out = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+    else:
+      out = jax.lax.psum(experts_ffn(x, ids, gates, wg, wu, wd, first), axis)
+    return out if tp is None else jax.lax.psum(out, tp)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weights, weights,
-                                                    weights),
+  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, up_spec, up_spec,
+                                                    down_spec),
                        out_specs=tokens, check_vma=False)(x, ids, gates, w_gate, w_up, w_down)
+
+
+def _names(spec_entry) -> tuple[str, ...]:
+  """Mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry or ())
 
 
 def recorded_layers(recorded: Optional[jax.Array], num_layers: int):
