@@ -11,7 +11,7 @@ from jaxrl_post.sharding.platform import (context_platform, mesh_platform, on_ac
                                           target_platform)
 from jaxrl_post.sharding.placement import Meshes, PlacementConfig, build_meshes
 from jaxrl_post.sharding.rules import (ROLLOUT_RULES, TRAINING_RULES, logical_to_spec,
-                                       tree_shardings)
+                                       spec_axes, tree_shardings)
 from jaxrl_post.sharding.sync import PartialSync, RolloutWeights, SyncConfig, WeightSync
 
 __all__ = ["AXES", "activation_rules", "active_mesh", "active_rules", "context_platform",
@@ -19,4 +19,4 @@ __all__ = ["AXES", "activation_rules", "active_mesh", "active_rules", "context_p
            "PlacementConfig",
            "ROLLOUT_RULES", "RolloutWeights", "SyncConfig", "TRAINING_RULES", "WeightSync",
            "build_meshes", "distributed_config_from_env", "initialize", "logical_to_spec",
-           "make_mesh", "tree_shardings"]
+           "make_mesh", "spec_axes", "tree_shardings"]

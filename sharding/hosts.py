@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_post.sharding.mesh import AXES
+from jaxrl_post.sharding.rules import spec_axes
 
 
 def processes(mesh: Mesh) -> frozenset[int]:
@@ -107,7 +108,7 @@ def transfer(tree: Any, targets: Any, source_mesh: Mesh, target_mesh: Mesh) -> A
   leaves, treedef = jax.tree.flatten(tree)
   specs = [s.spec for s in jax.tree.leaves(targets)]
   for spec in specs:
-    if any("data" in ((p,) if isinstance(p, str) else (p or ())) for p in spec):
+    if any("data" in spec_axes(p) for p in spec):
       raise ValueError(f"transfer: spec {spec} shards over 'data', which the meshes differ in")
   received: list[dict] = [{} for _ in leaves]
   step = src.shape[0]

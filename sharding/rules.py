@@ -66,6 +66,11 @@ def logical_to_spec(names: Sequence[str], shape: Sequence[int], rules: Rules,
   return PartitionSpec(*assigned)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _is_axes(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(n, str) for n in x)
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_post.kernels import PackedAttentionConfig, packed_attention
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.sharding import active_rules, logical_to_spec, target_platform
+from jaxrl_post.sharding import active_rules, logical_to_spec, spec_axes, target_platform
 
 # A large finite negative instead of -inf: rows with nothing to attend to (padding)
 # then give a uniform softmax instead of NaNs that would poison gradients.
@@ -213,8 +213,7 @@ def batch_shards(size: int) -> int:
     return 1
   rules, mesh = active
   axes = logical_to_spec(("batch",), (size,), rules, mesh)[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[a] for a in axes)
+  return math.prod(mesh.shape[a] for a in spec_axes(axes))
 
 
 def _per_device(fn, q, k, v, segment_ids):

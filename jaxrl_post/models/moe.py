@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.sharding import active_rules, logical_to_spec
+from jaxrl_post.sharding import active_rules, logical_to_spec, spec_axes
 
 NO_EXPERT = -1  # A recorded id meaning "not recorded": the token routes itself.
 
@@ -161,11 +161,11 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
     return experts_ffn(x, ids, gates, w_gate, w_up, w_down)
   rows = logical_to_spec(("batch", None), x.shape, rules, mesh)[0]
   mlp = logical_to_spec(("expert", "embed", "mlp"), w_gate.shape, rules, mesh)[2]
-  tp = "tensor" if "tensor" in _names(mlp) and "tensor" not in _names(rows) else None
+  tp = "tensor" if "tensor" in spec_axes(mlp) and "tensor" not in spec_axes(rows) else None
   tokens = PartitionSpec(rows, None)
   up_spec, down_spec = PartitionSpec(axis, None, tp), PartitionSpec(axis, tp, None)
   per_shard = w_gate.shape[0] // mesh.shape[axis]
-  dispatch = axis in _names(rows)
+  dispatch = axis in spec_axes(rows)
 
   def local(x, ids, gates, wg, wu, wd):
     first = jax.lax.axis_index(axis) * per_shard
@@ -180,11 +180,6 @@ def _sharded_experts(x, ids, gates, w_gate, w_up, w_down):
   return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, up_spec, up_spec,
                                                     down_spec),
                        out_specs=tokens, check_vma=False)(x, ids, gates, w_gate, w_up, w_down)
-
-
-def _names(spec_entry) -> tuple[str, ...]:
-  """Mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry or ())
 
 
 def recorded_layers(recorded: Optional[jax.Array], num_layers: int):

@@ -57,7 +57,7 @@ from jaxrl_post.rl.packing import (Trajectory, bucket, completion_bucket, head_b
                                    with_head_layout)
 from jaxrl_post.rl.value import terminal_rewards, value_loss
 from jaxrl_post.sharding import (TRAINING_RULES, activation_rules, hosts, logical_to_spec,
-                                 tree_shardings)
+                                 spec_axes, tree_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Trainer:
       self.param_shardings = tree_shardings(logical_axes(self.model), params_of(self.model),
                                             rules, mesh)
       axes = _batch_axes(rules, mesh)
-      self.batch_shards = math.prod(mesh.shape[a] for a in _axis_names(axes))
+      self.batch_shards = math.prod(mesh.shape[a] for a in spec_axes(axes))
       self._inputs_sharding = NamedSharding(mesh, PartitionSpec(axes))  # [R, ...], [B, ...]
       self._batch_sharding = NamedSharding(mesh, PartitionSpec(None, axes))  # [M, R or B, ...]
       self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -519,10 +519,6 @@ def _batch_axes(rules, mesh: Mesh):
   wanted = dict(rules).get("batch", ())
   size = math.prod(mesh.shape[a] for a in wanted)
   return logical_to_spec(("batch",), (size,), rules, mesh)[0]
-
-
-def _axis_names(axes) -> tuple[str, ...]:
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _state_shardings(state: TrainState, mesh: Mesh):
