@@ -108,8 +108,15 @@ def merge_attention_parts(outs, lses):  # [N, ..., D] f32, [N, ...] f32 -> [...,
 # ----------------------------------------------------------------------------- GPU kernel
 
 
+def _visible(pos, length, window):
+  """Keys a query at position length - 1 sees: before it, and with a sliding window not
+  more than `window` positions back."""
+  valid = pos < length
+  return valid if window is None else valid & (pos >= length - window)
+
+
 def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
-                         sm_scale, pages_per_block, pages_per_split):
+                         sm_scale, pages_per_block, pages_per_split, window=None):
   """One (sequence, KV head, context split): q_ref [Gp, D], k_ref/v_ref [P, ps, D]."""
   page_size = k_ref.shape[1]
   length = len_ref[0]
@@ -127,7 +134,7 @@ def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *
     v = v_ref[pages].reshape(block_kv, d)
     s = _scores(q, k, sm_scale)  # [Gp, bk]
     pos = start * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [bk]
-    s = jnp.where((pos < length)[None, :], s, MASK_VALUE)
+    s = jnp.where(_visible(pos, length, window)[None, :], s, MASK_VALUE)
     return _online_update(s, v, *carry)
 
   init = (jnp.full((gp, 1), MASK_VALUE, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
@@ -160,7 +167,7 @@ def _cost(q, k_pages, table_pages):
 
 
 def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
-                       interpret):
+                       interpret, window=None):
   """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
   b, hkv, g, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
@@ -177,7 +184,7 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
   q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
   kernel = functools.partial(_paged_kernel_triton, sm_scale=sm_scale,
-                             pages_per_block=ppb, pages_per_split=pps)
+                             pages_per_block=ppb, pages_per_split=pps, window=window)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   out, lse = pl.pallas_call(
       kernel,
@@ -207,7 +214,8 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
 # ----------------------------------------------------------------------------- TPU kernel
 
 
-def _paged_kernel_mosaic(pt_ref, len_ref, q_ref, *refs, sm_scale, pages_per_block):
+def _paged_kernel_mosaic(pt_ref, len_ref, q_ref, *refs, sm_scale, pages_per_block,
+                        window=None):
   """One (sequence, KV head, page block) grid step; q_ref [G, D], each K/V ref [ps, D]."""
   k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
   o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
@@ -229,7 +237,7 @@ def _paged_kernel_mosaic(pt_ref, len_ref, q_ref, *refs, sm_scale, pages_per_bloc
       s = _scores(q, k_refs[j][...], sm_scale)  # [G, ps]
       first = (i * pages_per_block + j) * page_size
       pos = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-      s = jnp.where(pos < length, s, MASK_VALUE)
+      s = jnp.where(_visible(pos, length, window), s, MASK_VALUE)
       carry = _online_update(s, v_refs[j][...], *carry)
     m_sc[...], l_sc[...], acc_sc[...] = carry
 
@@ -250,7 +258,7 @@ def _page_index_map(j, pages_per_block, page_size, max_pages):
 
 
 def _paged_call_mosaic(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
-                       interpret):
+                       interpret, window=None):
   """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
   b, hkv, g, d = q.shape
   _, _, page_size, _ = k_pages.shape
@@ -269,7 +277,8 @@ def _paged_call_mosaic(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
       scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
                       pltpu.VMEM((g, d), jnp.float32)],
   )
-  kernel = functools.partial(_paged_kernel_mosaic, sm_scale=sm_scale, pages_per_block=ppb)
+  kernel = functools.partial(_paged_kernel_mosaic, sm_scale=sm_scale, pages_per_block=ppb,
+                             window=window)
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
@@ -353,7 +362,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths):
     raise ValueError(f"page_table {page_table.shape} / lengths {lengths.shape} vs B={b}")
 
 
-def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config):
+def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, window=None):
   """Un-jitted core: ([B, Hq, D] f32 output, [B, Hq] f32 log-sum-exp).
 
   Kept separate so cascade attention can merge float32 parts before rounding.
@@ -371,13 +380,13 @@ def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config):
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
   qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
   out, lse = call(qg, k_pages, v_pages, page_table, lengths, 1.0 / math.sqrt(d), config,
-                  interpret)
+                  interpret, window)
   return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "window"))
 def paged_attention_with_lse(q, k_pages, v_pages, page_table, lengths, *,
-                             config=PagedAttentionConfig()):
+                             config=PagedAttentionConfig(), window=None):
   """Paged decode attention that also returns the log-sum-exp of the scaled scores.
 
   Args:
@@ -389,19 +398,22 @@ def paged_attention_with_lse(q, k_pages, v_pages, page_table, lengths, *,
     lengths: [B] int32 number of valid tokens, at most max_pages * page_size (0 gives a
       zero output and lse = -inf).
     config: static tunables.
+    window: static sliding window: keys more than this many positions before the query
+      (at position length - 1) are masked. A caller passes the table from the window's
+      first page on (and lengths counted from it), so the kernel reads only those pages.
 
   Returns:
     ([B, Hq, D] in q's dtype, [B, Hq] float32 log-sum-exp).
   """
-  out, lse = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config)
+  out, lse = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, window)
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "window"))
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *,
-                    config=PagedAttentionConfig()):
+                    config=PagedAttentionConfig(), window=None):
   """Paged decode attention, [B, Hq, D] in q's dtype; see paged_attention_with_lse."""
-  out, _ = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config)
+  out, _ = paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, window)
   return out.astype(q.dtype)
 
 
@@ -445,14 +457,19 @@ def masked_decode_attention_reference(q, k, v, valid):
   return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-def paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths):
-  """float32 reference: gather pages densely, mask by length, plain softmax."""
+def paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths,
+                                       window=None):
+  """float32 reference: gather pages densely, mask by length (and window), plain softmax."""
   k = gather_pages(k_pages, page_table)  # [B, S, Hkv, D]
   v = gather_pages(v_pages, page_table)
-  valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [B, S]
+  pos = jnp.arange(k.shape[1])[None, :]
+  valid = pos < lengths[:, None]  # [B, S]
+  if window is not None:
+    valid &= pos >= lengths[:, None] - window
   return masked_decode_attention_reference(q, k, v, valid)
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, lengths):
+def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, window=None):
   """float32 [B, Hq, D] reference output of paged_attention."""
-  return paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths)[0]
+  return paged_attention_with_lse_reference(q, k_pages, v_pages, page_table, lengths,
+                                            window)[0]

@@ -53,6 +53,17 @@ PRESETS: dict[str, ModelConfig] = {
                              sandwich_norms=True, scale_embeddings=True,
                              query_pre_attn_scalar=256.0, mlp_activation="gelu_tanh",
                              tie_word_embeddings=True, max_position_embeddings=32768),
+    # google/gemma-3-4b (text): 5 sliding-window (1024) layers per global one; the global
+    # layers' RoPE scaled linearly by 8.
+    "gemma3-4b": ModelConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                             num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256,
+                             rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                             rope_scaling=RopeScaling("linear", factor=8.0),
+                             sliding_window=1024, layer_types=gemma3_layer_types(34),
+                             rms_norm_eps=1e-6, qk_norm=True, norm_plus_one=True,
+                             sandwich_norms=True, scale_embeddings=True,
+                             query_pre_attn_scalar=256.0, mlp_activation="gelu_tanh",
+                             tie_word_embeddings=True, max_position_embeddings=131072),
     "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                              rope_theta=500000.0, max_position_embeddings=8192),

@@ -484,14 +484,16 @@ def kv_pool_pages(model_cfg: ModelConfig, page_size: int, kv_dtype, device_bytes
 
 def decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,
                     page_size: int, table_pages: int, kv_dtype, weight_dtype,
-                    max_stop_ids: int, layout):
+                    max_stop_ids: int, layout, window_pages_per_shard: int = 0):
   """Abstract (params, pool, slot state) as the engine passes them to its decode loop
   (rollout.programs.decode_loop) on `layout` (a rollout.layout.RolloutLayout).
 
   The pool is [Hkv, L, D * P, page, hd] sharded over (tensor, -, data) and the slots over
-  "data"; the weights are in the engine's form for the layout (rollout.weights).
+  "data"; the weights are in the engine's form for the layout (rollout.weights). A model
+  with a window pool (rollout.pages.split_kv) keeps its global layers there and its
+  sliding layers in a window pool of window_pages_per_shard pages per data shard.
   """
-  from jaxrl_post.rollout.pages import KVPool
+  from jaxrl_post.rollout.pages import KVPool, window_layers
   from jaxrl_post.rollout.programs import SlotState
   from jaxrl_post.rollout.weights import abstract_split
 
@@ -501,10 +503,15 @@ def decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int
   params = _abstract(shapes, shardings, jnp.dtype(weight_dtype))
   if layout.split_layers:  # The engine's per-layer copy (GPU).
     params = abstract_split(params, model_cfg.num_layers)
-  pool_shape = (model_cfg.num_kv_heads, model_cfg.num_layers,
-                layout.data_shards * pages_per_shard, page_size, model_cfg.head_dim)
-  kv = jax.ShapeDtypeStruct(pool_shape, jnp.dtype(kv_dtype),
-                            sharding=layout.sharding(layout.pool_spec))
+  windowed = window_layers(model_cfg)
+  kv = lambda layers, pages: jax.ShapeDtypeStruct(
+      (model_cfg.num_kv_heads, layers, layout.data_shards * pages, page_size,
+       model_cfg.head_dim), jnp.dtype(kv_dtype), sharding=layout.sharding(layout.pool_spec))
+  full = kv(model_cfg.num_layers - windowed, pages_per_shard)
+  pool = KVPool(full, full)
+  if windowed:
+    window = kv(windowed, window_pages_per_shard)
+    pool = pool._replace(wk=window, wv=window)
   vec = lambda dtype, *tail: jax.ShapeDtypeStruct((num_slots, *tail), dtype,
                                                   sharding=layout.rows(1 + len(tail)))
   state = SlotState(tokens=vec(jnp.int32), lengths=vec(jnp.int32),
@@ -513,7 +520,15 @@ def decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int
                     seeds=vec(jnp.uint32), sample_ids=vec(jnp.int32),
                     temperature=vec(jnp.float32), top_k=vec(jnp.int32),
                     top_p=vec(jnp.float32), stop_ids=vec(jnp.int32, max_stop_ids))
-  return params, KVPool(kv, kv), state
+  return params, pool, state
+
+
+def window_map_operand(pool, layout):
+  """The abstract window-page map a pool with a window pool is read through (None
+  without one): one int32 per page, split over the data shards as the pages are."""
+  if pool.wk is None:
+    return None
+  return jax.ShapeDtypeStruct((pool.k.shape[2],), jnp.int32, sharding=layout.rows(1))
 
 
 def lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout,
@@ -521,8 +536,9 @@ def lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout
   """The engine's decode loop lowered on `decode_operands`' arguments (`shared`: cascade
   attention's block prefixes, None for plain paged attention)."""
   from jaxrl_post.rollout.programs import decode_program
-  return decode_program(layout).lower(params, pool, state, shared, cfg=model_cfg, steps=steps,
-                                   truncation=truncation, layout=layout)
+  return decode_program(layout).lower(params, pool, state, shared,
+                                      window_map_operand(pool, layout), cfg=model_cfg,
+                                      steps=steps, truncation=truncation, layout=layout)
 
 
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,

@@ -29,7 +29,7 @@ from jaxrl_post.plan.memory import CompiledMemory, TrainStepMemory, compiled_mem
 from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import Trainer
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
-from jaxrl_post.rollout.pages import cdiv
+from jaxrl_post.rollout.pages import cdiv, window_span
 from jaxrl_post.sharding import Meshes, PartialSync, WeightSync, build_meshes
 
 
@@ -127,11 +127,15 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
         reference_dtype=exp.reference.dtype, analyse=True).compiled
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   wdt = exp.sync.rollout_dtype
-  pages = 1 + (s.num_slots // layout.data_shards) * s.table_pages  # the sink page too
+  steps = exp.rollout.engine.decode_steps
+  per_shard = s.num_slots // layout.data_shards
+  pages = 1 + per_shard * s.table_pages  # the sink page too
+  span = window_span(cfg, s.page_size, steps)  # A window pool's pages (split_kv models).
+  wpages = 0 if span is None else 1 + per_shard * min(s.table_pages, span)
   params, pool, state = memory.decode_operands(cfg, s.num_slots, pages, s.page_size,
                                                s.table_pages, kv_dtype, wdt,
-                                               exp.rollout.engine.max_stop_ids, layout)
-  steps = exp.rollout.engine.decode_steps
+                                               exp.rollout.engine.max_stop_ids, layout,
+                                               window_pages_per_shard=wpages)
   r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
   decode = compiled_memory(memory.lower_decode(cfg, params, pool, state, steps, layout,
                                                 r.top_k > 0 or r.top_p < 1).compile(), analyse=True)
@@ -174,7 +178,8 @@ def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLay
                       key_pages=grid(key_pages), key_segments=grid(key_pages),
                       key_starts=grid(key_pages))
   last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=layout.replicated)
-  return prefill.lower(params, pool, packed, last, cfg=cfg, layout=layout)
+  return prefill.lower(params, pool, packed, last, memory.window_map_operand(pool, layout),
+                       cfg=cfg, layout=layout)
 
 
 def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes) -> tuple[CompiledMemory, int]:

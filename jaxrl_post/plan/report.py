@@ -20,7 +20,7 @@ from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_b
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
 from jaxrl_post.rollout.layout import batch_shards
-from jaxrl_post.rollout.pages import page_bytes, pool_pages
+from jaxrl_post.rollout.pages import pool_page_bytes, pool_pages, window_share
 
 PAYLOAD_BYTES_PER_TOKEN = 12  # token id, behaviour logprob, weight version (4 bytes each)
 
@@ -101,7 +101,10 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   tensor, data = p.meshes.rollout.shape["tensor"], batch_shards(p.meshes.rollout)
   kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
   kv_shards = kv_head_shards(cfg, tensor)
-  kv_per_token = page_bytes(cfg, 1, kv_dtype) // kv_shards
+  # A window pool (Gemma 3's sliding layers) holds about a window per sequence: its share
+  # of a token's bytes, as the engine sizes it (rollout.pages.window_share).
+  share = window_share(cfg, s.page_size, s.table_pages, p.decode_steps)
+  kv_per_token = int(pool_page_bytes(cfg, 1, kv_dtype, share)) // kv_shards
   kv_needed = s.num_slots // data * s.table_pages * s.page_size
   kv_bytes = (kv_needed + s.page_size) * kv_per_token  # the sink page too
   colocated = p.meshes.colocated
@@ -112,7 +115,7 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   try:
     kv_pages = pool_pages(exp.rollout.engine.pool, cfg, kv_dtype, free, kv_shards=kv_shards,
                           data_shards=data, reserved_bytes=in_flight +
-                          (train.transient_bytes if colocated else 0))
+                          (train.transient_bytes if colocated else 0), window=share)
   except UserError:  # Fewer than two pages fit: the verdict says so.
     kv_pages = 0
   other = resident + in_flight

@@ -9,9 +9,10 @@ exactly the pool layout of jaxrl_post.kernels.paged_attention, with layer l's pa
 
 Decode runs the Pallas kernel on GPU and TPU and the plain-jnp path (gather the sequence's
 pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets, and for
-sliding-window layers, soft-capped scores and pool shapes the GPU kernel does not take
-(`kernels.paged_attention.kernel_supports`; a windowed layer gathers only the pages its
-window spans). Prefill stays plain jnp.
+soft-capped scores and pool shapes the GPU kernel does not take
+(`kernels.paged_attention.kernel_supports`). A sliding-window layer reads only the pages
+its window spans, on either path: the kernel gets the table from the window's first page
+on and masks the keys before the window in it. Prefill stays plain jnp.
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -71,9 +72,12 @@ def _flat(pool, layer):  # [Hkv, L, P, ps, D] -> ([Hkv, L*P, ps, D], page id off
   return pool.reshape(hkv, n_layers * n_pages, ps, d), layer * n_pages
 
 
-def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths):
+def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window=None):
   (k, offset), (v, _) = _flat(k_pool, layer), _flat(v_pool, layer)
-  return paged_attention(q, k, v, page_table + offset, lengths)
+  if sliding_window is not None:  # The window's pages only, positions counted from them.
+    page_table, first = _window_pages(page_table, lengths, sliding_window, k_pool.shape[3])
+    lengths = lengths - first * k_pool.shape[3]
+  return paged_attention(q, k, v, page_table + offset, lengths, window=sliding_window)
 
 
 def _window(mask, q_pos, k_pos, sliding_window):
@@ -97,18 +101,18 @@ def paged_decode_attention(q, k_pool, v_pool, layer, page_table, lengths, slidin
     lengths: [B] int32 valid tokens per row, the query's own included (>= 1).
     sliding_window: static; keys older than this many positions are masked (Mistral).
     use_kernel: static; the Pallas kernel (interpreted on a CPU) instead of plain jnp.
-      None: the kernel on GPU/TPU when there is no sliding window and no soft-capping.
+      None: the kernel on GPU/TPU when there is no soft-capping.
     logit_cap: static soft-capping of the scores (attn_logit_softcapping), or None.
 
   Returns:
     [B, Hq, D] in q's dtype.
   """
   if use_kernel is None:
-    use_kernel = use_kernel_default(k_pool) and sliding_window is None and logit_cap is None
+    use_kernel = use_kernel_default(k_pool) and logit_cap is None
   if use_kernel:
-    if sliding_window is not None or logit_cap is not None:
-      raise ValueError("the paged attention kernel has no sliding window or soft-capping")
-    return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths)
+    if logit_cap is not None:
+      raise ValueError("the paged attention kernel has no soft-capping")
+    return _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window)
   ps = k_pool.shape[3]
   first = jnp.zeros((1,), jnp.int32)  # Page index of each row's first gathered page.
   if sliding_window is not None:

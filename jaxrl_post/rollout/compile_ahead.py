@@ -98,7 +98,8 @@ class CompileAheadMixin:
     # the caller's thread donate them meanwhile.
     operands = (self.params, *jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        (self.pool, self._device_slots)), None)
+        (self.pool, self._device_slots, self._window_operand())))
+    operands = (*operands[:3], None, operands[3])  # No cascade prefix: see Engine.launch.
     program = programs.decode_program(self.layout)
     build = lambda rows: lambda: program.lower(*operands, rows=rows, **static).compile()
     return {("decode", rows): build(rows) for rows in guesses}

@@ -18,8 +18,10 @@ Callers then insert a prompt's samples only into blocks that are free or already
 prompt; the Scheduler does so. Models with sliding-window layers (Mistral, Gemma 3) keep
 the block placement but decode with plain paged attention, which is the only one with a
 window (forward.cascade_refusal says why for a given model). When every layer has a
-window (Mistral; not Gemma 3, whose global layers read every token) a decoding sequence
-gives back the pages behind it.
+window (Mistral) a decoding sequence gives back the pages behind it. A model with both
+sliding and global layers (Gemma 3) keeps its sliding layers' K/V in a window pool of
+their own (rollout.pages.WindowPages): there a decoding sequence gives back the window
+pages behind its window, and its global layers keep every page.
 
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
 between calls; every token is stamped with the version that produced it. The high-level
@@ -51,7 +53,8 @@ from jaxrl_post.rollout.compile_ahead import CompileAhead, CompileAheadMixin
 from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import (TRASH_PAGE, PageAllocator, PagedSequence, cdiv,
-                                      pow2_at_least, resolve_num_pages, sequences_held)
+                                      pow2_at_least, resolve_num_pages, sequences_held,
+                                      window_pool_pages, window_share, window_span)
 from jaxrl_post.rollout.prefix_cache import PrefixCache
 from jaxrl_post.rollout.sampling import SamplingParams
 from jaxrl_post.rollout.sequences import Prefix, ResultTokens, record_prompt_experts
@@ -126,19 +129,29 @@ class Engine(SlotBook, CompileAheadMixin):
     self.kv_dtype = jnp.dtype(config.kv_dtype or model_config.compute_dtype)
     self.page_size = config.pool.page_size
     kv_shards = self.layout.mesh.shape["tensor"] if self.layout.kv_axis else 1
-    num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype,
-                                  self.layout.local_device, kv_shards=kv_shards,
-                                  data_shards=self.shards)
-    self.pool = programs.zeros_pool(model_config, self.shards * num_pages, self.page_size,
-                                    self.kv_dtype, self.layout)
-    self.allocs = [PageAllocator(num_pages) for _ in range(self.shards)]
-    if config.prefix_cache:
-      self.prefix_caches = [PrefixCache(a, self.page_size) for a in self.allocs]
     context = model_config.max_position_embeddings
     self.max_seq_len = min(config.max_seq_len or context, context)
     self.max_pages = cdiv(self.max_seq_len, self.page_size)
+    # Window pool (split_kv models): what one decoding sequence holds in it at most.
+    self.window_span = window_span(model_config, self.page_size, config.decode_steps)
+    share = window_share(model_config, self.page_size, self.max_pages, config.decode_steps)
+    num_pages = resolve_num_pages(config.pool, model_config, self.kv_dtype,
+                                  self.layout.local_device, kv_shards=kv_shards,
+                                  data_shards=self.shards, window=share)
+    wpages = 0
+    if self.window_span:
+      wpages = window_pool_pages(num_pages, share, self.max_pages, self.window_span)
+    self.pool = programs.zeros_pool(model_config, self.shards * num_pages, self.page_size,
+                                    self.kv_dtype, self.layout, self.shards * wpages)
+    self.allocs = [PageAllocator(num_pages, wpages) for _ in range(self.shards)]
+    self._window_map = None  # The window pages' map on the devices (see _window_operand).
+    if config.prefix_cache:
+      self.prefix_caches = [PrefixCache(a, self.page_size) for a in self.allocs]
     if config.num_slots is None:  # No work in sight: as many as the pool holds.
       held = self.shards * sequences_held(num_pages, self.max_pages)
+      if wpages:
+        held = min(held, self.shards * sequences_held(
+            wpages, min(self.max_pages, self.window_span)))
       config = config.sized_for(MAX_SLOTS, capacity=min(MAX_SLOTS, max(_MIN_SLOTS, held)))
       self.config = config
     self.num_slots = shard_count(config.num_slots, self.shards, config.group_slots)
@@ -216,6 +229,22 @@ class Engine(SlotBook, CompileAheadMixin):
   def pages_in_use(self) -> int:
     return sum(a.in_use for a in self.allocs)
 
+  @property
+  def window_pages_in_use(self) -> int:
+    """Window-pool pages held (0 without a window pool)."""
+    return sum(a.window.alloc.in_use for a in self.allocs if a.window is not None)
+
+  def _window_operand(self):
+    """The window pages' map ([shards * pages] shard-local ids, on the devices) for a
+    device call, sent again only when the host changed it; None without a window pool."""
+    if self.window_span is None:
+      return None
+    if self._window_map is None or any(a.window.dirty for a in self.allocs):
+      self._window_map = self.layout.put_rows(np.concatenate([a.window.map for a in self.allocs]))
+      for a in self.allocs:
+        a.window.dirty = False
+    return self._window_map
+
   def private_pages(self, prompt_len: int, max_tokens: int) -> int:
     """Pages one sample may need beyond the shared full prompt pages.
 
@@ -268,18 +297,36 @@ class Engine(SlotBook, CompileAheadMixin):
     alloc = self.allocs[shard]
     prompt = np.asarray(prompt, np.int32)
     private = self.private_pages(len(prompt), sampling.max_tokens)
-    need = cdiv(len(prompt), self.page_size) + len(sample_ids) * private
-    if len(prompt) % self.page_size:
-      need -= 1  # The last sample inherits the partial prompt page instead of copying it.
-    if not alloc.reserve(need):
-      if not self.prefix_caches or not self.prefix_caches[shard].evict(need - alloc.available):
-        return None
-      if not alloc.reserve(need):
-        return None
-    seq = PagedSequence(alloc, self.page_size, reserved=need)
+    prompt_pages = cdiv(len(prompt), self.page_size)
+    # The last sample inherits the partial prompt page instead of copying it.
+    last = private - (1 if len(prompt) % self.page_size else 0)
+    need = prompt_pages + (len(sample_ids) - 1) * private + last
+    seq = PagedSequence(alloc, self.page_size, span=self.window_span)
+    wneed = prompt_pages + (len(sample_ids) - 1) * seq.window_share(private)
+    wneed += seq.window_share(last)
+    if not self._reserve(seq, need, wneed):
+      return None
     seq.grow(len(prompt))
     return Prefix(prompt, sampling, int(seed), tuple(int(i) for i in sample_ids), seq, private,
                   shard=shard)
+
+  def _reserve(self, seq: PagedSequence, need: int, wneed: int) -> bool:
+    """Promises `seq` need pages and wneed window pages, evicting cached prompts when the
+    pool is short; False (nothing promised) when even that leaves it short."""
+    alloc = seq.alloc
+    wneed = 0 if alloc.window is None else wneed
+    short = lambda: max(need - alloc.available,
+                        0 if alloc.window is None else wneed - alloc.window.alloc.available)
+    if short() > 0 and self.prefix_caches:
+      self.prefix_caches[self.allocs.index(alloc)].evict(short())
+    if short() > 0:
+      return False
+    alloc.reserve(need)
+    if alloc.window is not None:
+      alloc.window.alloc.reserve(wneed)
+    seq.reserved += need
+    seq.wreserved += wneed
+    return True
 
   def prefill(self, prefix: Prefix) -> bool:
     """Writes the next chunk of the prompt; True once the prompt is done and first tokens drawn."""
@@ -313,7 +360,7 @@ class Engine(SlotBook, CompileAheadMixin):
     compiled.add((rows.tokens.shape[0] // self.shards, rows.key_pages.shape[1]))
     self.pool, logits, experts = programs.prefill(
         self.params, self.pool, self.layout.put_rows(rows), self.layout.put_replicated(last),
-        cfg=self.model_config, layout=self.layout)
+        self._window_operand(), cfg=self.model_config, layout=self.layout)
     if experts is not None:
       for prefix in prefixes:
         self._prompt_experts(prefix)
@@ -433,7 +480,8 @@ class Engine(SlotBook, CompileAheadMixin):
     if self._ahead is not None:  # Never the same program compiled twice at once.
       self._ahead.wait(("decode", rows))
     out = programs.decode_program(self.layout)(
-        self.params, self.pool, self._device_slots, shared, cfg=self.model_config,
+        self.params, self.pool, self._device_slots, shared, self._window_operand(),
+        cfg=self.model_config,
         steps=steps, layout=self.layout, width=width, rows=rows, truncation=self._truncating(),
         draws=bool(np.any(self._slots.temperature > 0.0)))
     self.pool, self._device_slots, tokens, logprobs, active, experts, floors = out

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models import layers as L
@@ -54,6 +55,39 @@ def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N,
   k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [Hkv, N, D], as the index yields
   return KVPool(pool.k.at[:, layer, pages, slots].set(k.astype(pool.k.dtype)),
                 pool.v.at[:, layer, pages, slots].set(v.astype(pool.v.dtype)))
+
+
+def layer_ranks(cfg) -> tuple[np.ndarray, np.ndarray]:
+  """([L] bool each layer is a sliding one, [L] int32 its index among its kind's layers):
+  with a window pool (rollout.pages.split_kv) a layer's K/V live at that index of the
+  window pool (sliding layers) or of the main pool (global layers)."""
+  local = np.asarray([w is not None for w in cfg.layer_windows])
+  rank = np.where(local, np.cumsum(local) - 1, np.cumsum(~local) - 1)
+  return local, rank.astype(np.int32)
+
+
+def _write_split(cfg, pool: KVPool, window_map, layer, pages, slots, k, v) -> KVPool:
+  """_write_kv for a pool with a window pool: a sliding layer writes the window pages its
+  pages map to, a global layer the pages themselves; each writes the other pool's sink."""
+  local, rank = (jnp.asarray(a)[layer] for a in layer_ranks(cfg))
+  full = _write_kv(KVPool(pool.k, pool.v), jnp.where(local, 0, rank),
+                   jnp.where(local, TRASH_PAGE, pages), slots, k, v)
+  window = _write_kv(KVPool(pool.wk, pool.wv), jnp.where(local, rank, 0),
+                     jnp.where(local, jnp.take(window_map, pages), TRASH_PAGE), slots, k, v)
+  return KVPool(full.k, full.v, window.k, window.v)
+
+
+def _split_attention(cfg, attention, window_map, layer, q, pool: KVPool, table, *args):
+  """attention(q, k_pool, v_pool, layer, table, *args, sliding_window=, logit_cap=) on the
+  layer's own pool: a sliding layer's window pages (the table mapped through window_map)
+  or a global layer's pages."""
+  local, rank = (jnp.asarray(a)[layer] for a in layer_ranks(cfg))
+  cap = cfg.attn_logit_softcapping
+  sliding = lambda: attention(q, pool.wk, pool.wv, rank, jnp.take(window_map, table), *args,
+                              sliding_window=cfg.sliding_window, logit_cap=cap)
+  full = lambda: attention(q, pool.k, pool.v, rank, table, *args, sliding_window=None,
+                           logit_cap=cap)
+  return jax.lax.cond(local, sliding, full)
 
 
 def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [B, T]
@@ -110,19 +144,27 @@ def cascade_refusal(cfg) -> str | None:
   models (Mistral, Gemma 3) decode with plain paged attention, which has both.
   """
   if cfg.any_window:
-    return "the model has sliding-window layers"
+    return ("the model has sliding-window layers, and a block's shared prompt pages fall "
+            "behind each sample's window at its own pace")
   if cfg.attn_logit_softcapping is not None:
     return "the model soft-caps attention scores"
   return None
 
 
 def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active,
-                  shared: SharedPrefix | None):
+                  shared: SharedPrefix | None, window_map=None):
   """One device's decode write + attention over its slots and pages (ids shard-local).
 
   q [B, Hq, D], k/v [B, Hkv, D]; every other operand as in `decode_step`. Returns
   (attn [B, Hq, D], pool).
   """
+  if pool.wk is not None:  # A window pool: no cascade (cascade_refusal).
+    pages = _target_pages(page_table, (lengths // pool.k.shape[3])[:, None],
+                          active[:, None])[:, 0]
+    pool = _write_split(cfg, pool, window_map, layer, pages, lengths % pool.k.shape[3], k, v)
+    attn = _split_attention(cfg, paged_decode_attention, window_map, layer, q, pool,
+                            page_table, lengths + 1)
+    return attn, pool
   ps = pool.k.shape[3]
   table_start = 0  # Position of each row's first page-table token.
   if shared is not None:
@@ -147,27 +189,32 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   return attn, pool
 
 
-def _pool_specs(layout: RolloutLayout) -> KVPool:
-  return KVPool(layout.pool_spec, layout.pool_spec)
+def pool_specs(layout: RolloutLayout, window: bool) -> KVPool:
+  """The pool's PartitionSpecs, a window pool's included (KV heads over "tensor", pages
+  over the batch axes)."""
+  spec = layout.pool_spec
+  return KVPool(spec, spec, spec, spec) if window else KVPool(spec, spec)
 
 
 def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
-                      shared: SharedPrefix | None):
+                      shared: SharedPrefix | None, window_map=None):
   """attend_and_write for `_run_layers`: the per-device decode write + attention."""
   rows = layout.rows_spec
   heads = layout.heads_spec(3)
   shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
+  window = window_map is not None
+  specs = pool_specs(layout, window)
   local = layout.per_device(
-      lambda pool, layer, q, k, v, table, lens, act, *sh: _decode_local(
-          cfg, pool, layer, q, k, v, table, lens, act, sh[0] if sh else None),
-      in_specs=(_pool_specs(layout), P(), heads, heads, heads, rows(2), rows(1), rows(1),
-                *shared_specs),
-      out_specs=(heads, _pool_specs(layout)))
+      lambda pool, layer, q, k, v, table, lens, act, wmap, *sh: _decode_local(
+          cfg, pool, layer, q, k, v, table, lens, act, sh[0] if sh else None, wmap),
+      in_specs=(specs, P(), heads, heads, heads, rows(2), rows(1), rows(1),
+                rows(1) if window else P(), *shared_specs),
+      out_specs=(heads, specs))
   extra = () if shared is None else (shared,)
 
   def attend(pool, layer, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
     attn, pool = local(pool, layer, q[:, 0], k[:, 0], v[:, 0], page_table, lengths, active,
-                       *extra)
+                       window_map, *extra)
     return attn[:, None], pool
 
   return attend
@@ -175,7 +222,7 @@ def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
 
 def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
                 shared: SharedPrefix | None = None, layout: RolloutLayout | None = None,
-                layers=None):
+                layers=None, window_map=None):
   """Feeds each row's next token at position `lengths` and returns next-token logits.
 
   Args:
@@ -191,6 +238,8 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
       B // G rows that share these prompt pages (not for windowed models: cascade_refusal).
     layout: where the rows and pages live (default: one device).
     layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
+    window_map: [num_pages] int32 the window page of each page (a pool with a window
+      pool: rollout.pages.WindowPages); None otherwise.
 
   Returns:
     (logits [B, V] float32, updated pool, the fed tokens' experts [B, L, k] int32 or None
@@ -198,15 +247,23 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   """
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
-  attend = _decode_attention(layout, model.config, page_table, lengths, active, shared)
+  attend = _decode_attention(layout, model.config, page_table, lengths, active, shared,
+                             window_map)
   x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers)
   return _final_logits(model, x[:, 0]), pool, None if experts is None else experts[:, 0]
 
 
-def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):
+def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows, window_map=None):
   """One device's prefill write + attention (q [B, T, Hq, D], k/v [B, T, Hkv, D])."""
   ps = pool.k.shape[3]
   flat = lambda a: a.reshape(-1, *a.shape[2:])
+  if pool.wk is not None:
+    pool = _write_split(cfg, pool, window_map, layer, flat(rows.write_pages),
+                        flat(rows.positions % ps), flat(k), flat(v))
+    attn = _split_attention(cfg, paged_prefill_attention, window_map, layer, q, pool,
+                            rows.key_pages, rows.key_segments, rows.key_starts,
+                            rows.positions, rows.segments)
+    return attn, pool
   pool = _write_kv(pool, layer, flat(rows.write_pages), flat(rows.positions % ps), flat(k),
                    flat(v))
   attend = L.per_layer(cfg, lambda window: functools.partial(
@@ -216,18 +273,22 @@ def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows):
   return attn, pool
 
 
-def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows):
+def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows, window_map=None):
   row_specs = rows._replace(**{f: layout.rows_spec(2) for f in rows._fields})
   heads = layout.heads_spec(4)
+  window = window_map is not None
+  specs = pool_specs(layout, window)
   local = layout.per_device(
-      lambda pool, layer, q, k, v, r: _prefill_local(cfg, pool, layer, q, k, v, r),
-      in_specs=(_pool_specs(layout), P(), heads, heads, heads, row_specs),
-      out_specs=(heads, _pool_specs(layout)))
-  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, rows)
+      lambda pool, layer, q, k, v, r, wmap: _prefill_local(cfg, pool, layer, q, k, v, r,
+                                                            wmap),
+      in_specs=(specs, P(), heads, heads, heads, row_specs,
+                layout.rows_spec(1) if window else P()),
+      out_specs=(heads, specs))
+  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, rows, window_map)
 
 
 def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
-                   layout: RolloutLayout | None = None, layers=None):
+                   layout: RolloutLayout | None = None, layers=None, window_map=None):
   """Writes packed prompt chunks into their pages; logits after each chunk's last token.
 
   Args:
@@ -238,6 +299,7 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
     last: [C] int32 flat index (row * T + column) of each chunk's last token.
     layout: where the rows and pages live (default: one device).
     layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
+    window_map: as in decode_step.
 
   Returns:
     (logits [C, V] float32 after each chunk's last token, updated pool, each row token's
@@ -245,7 +307,7 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
   """
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(rows.tokens)  # [B, T, D]
-  attend = _prefill_attention(layout, model.config, rows)
+  attend = _prefill_attention(layout, model.config, rows, window_map)
   x, pool, experts = _run_layers(model, pool, x, rows.positions, attend, layers)
   ends = jnp.take(x.reshape(-1, x.shape[-1]), last, axis=0)  # [C, D]
   return _final_logits(model, ends), pool, experts

@@ -150,12 +150,14 @@ class PrefixCache:
 
   def evict(self, n: int) -> int:
     """Frees up to n pages that only the cache holds, least recently used first; returns
-    how many it freed."""
+    how many it freed. With a window pool, a page whose window part only the cache still
+    holds frees that part."""
     freed = 0
+    window = self.alloc.window
     for digest, page in list(self._pages.items()):
       if freed == n:
         break
-      if self.alloc.refcount[page] == 1:
+      if self.alloc.refcount[page] == 1 or (window is not None and window.refs[page] == 1):
         self._forget(digest)
         freed += 1
     return freed

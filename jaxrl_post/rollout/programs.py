@@ -58,10 +58,14 @@ def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
       top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
 
 
-def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None, *,
-                cfg: ModelConfig, steps: int, layout: RolloutLayout, width: int | None = None,
-                 rows: int | None = None, truncation: bool = True, draws: bool = True):
+def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None,
+                window_map=None, *, cfg: ModelConfig, steps: int, layout: RolloutLayout,
+                width: int | None = None, rows: int | None = None, truncation: bool = True,
+                draws: bool = True):
   """Up to `steps` decode steps for all slots; stops early once every slot is done.
+
+  `window_map` ([pages] int32, split_kv models only) maps each page id to the window page
+  that holds its sliding layers' K/V (rollout.pages.WindowPages).
 
   `shared` (None: plain paged attention) is each block's shared prompt pages; it is fixed
   for the call, so it stays out of the loop carry. The loop sees `width` columns (None:
@@ -84,12 +88,13 @@ def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | N
   state = state._replace(page_table=_loop_table(full, shared, width, pool.k.shape[3]))
   with activation_rules(ROLLOUT_RULES, layout.mesh):
     if rows is None:
-      pool, state, *outputs = _decode_steps(params, pool, state, shared, cfg, steps, layout,
-                                            truncation, draws)
+      pool, state, *outputs = _decode_steps(params, pool, state, shared, window_map, cfg,
+                                            steps, layout, truncation, draws)
     else:
       order = compact.live_first(state.active, layout.data_shards)
       pool, live, *outputs = _decode_steps(params, pool, compact.take(state, order, rows),
-                                           shared, cfg, steps, layout, truncation, draws)
+                                           shared, window_map, cfg, steps, layout,
+                                           truncation, draws)
       state = compact.put(state, live, order)
       outputs = compact.put(_empty_outputs(cfg, state.tokens.shape[0], steps, truncation),
                             tuple(outputs), order)
@@ -158,7 +163,8 @@ def set_table_rows(state: SlotState, index, table) -> SlotState:
   return state._replace(page_table=state.page_table.at[index].set(table, mode="drop"))
 
 
-def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, draws):
+def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, truncation,
+                  draws):
   model, layers = weights.bind(cfg, params)
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
@@ -171,7 +177,7 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, d
     i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
     logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
                                                 st.page_table, st.active, shared, layout,
-                                                layers=layers)
+                                                layers=layers, window_map=window_map)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
                                         truncation, draws)
@@ -195,14 +201,15 @@ def _decode_steps(params, pool, state, shared, cfg, steps, layout, truncation, d
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
-def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, *, cfg: ModelConfig,
-             layout: RolloutLayout):
+def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, window_map=None, *,
+            cfg: ModelConfig, layout: RolloutLayout):
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
-  each row token's experts [R, T, L, k] int16 replicated, or None for a dense model)."""
+  each row token's experts [R, T, L, k] int16 replicated, or None for a dense model).
+  window_map as in decode_loop."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
     model, layers = weights.bind(cfg, params)
     logits, pool, experts = forward.prefill_packed(model, pool, rows, last, layout,
-                                                   layers=layers)
+                                                   layers=layers, window_map=window_map)
   if experts is not None:
     experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
   return pool, logits, experts
@@ -228,17 +235,19 @@ def sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=0)
-def copy_pages(pool: KVPool, src, dst, *, layout: RolloutLayout) -> KVPool:
-  """Per data shard, copies its pages src[s, i] -> dst[s, i] (shard-local ids)."""
-  specs = KVPool(layout.pool_spec, layout.pool_spec)
-  local = layout.per_device(lambda p, a, b: copy_pool_pages(p, a[0], b[0]),
-                            in_specs=(specs, layout.rows_spec(2), layout.rows_spec(2)),
-                            out_specs=specs)
-  return local(pool, src, dst)
+def copy_pages(pool: KVPool, src, dst, *window, layout: RolloutLayout) -> KVPool:
+  """Per data shard, copies its pages src[s, i] -> dst[s, i] (shard-local ids), and with a
+  window pool its window pages window[0][s, i] -> window[1][s, i]."""
+  specs = forward.pool_specs(layout, pool.wk is not None)
+  ids = (layout.rows_spec(2),) * (2 + len(window))
+  local = layout.per_device(lambda p, *a: copy_pool_pages(p, *(x[0] for x in a)),
+                            in_specs=(specs, *ids), out_specs=specs)
+  return local(pool, src, dst, *window)
+
 
 
 def zeros_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                layout: RolloutLayout) -> KVPool:
+               layout: RolloutLayout, window_pages: int = 0) -> KVPool:
   """The pool created in place on its devices (no host or single-device staging copy).
 
   Its sharding is spelled as the programs that return the pool spell it (a constraint, not
@@ -247,7 +256,8 @@ def zeros_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
   """
   sharding = layout.sharding(layout.pool_spec)
   place = lambda x: jax.lax.with_sharding_constraint(x, sharding)
-  make = jax.jit(lambda: jax.tree.map(place, KVPool.zeros(cfg, num_pages, page_size, dtype)))
+  make = jax.jit(lambda: jax.tree.map(
+      place, KVPool.zeros(cfg, num_pages, page_size, dtype, window_pages)))
   return make()
 
 

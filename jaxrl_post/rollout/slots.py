@@ -34,6 +34,7 @@ class SlotBook:
     """
     alloc, ps = self.allocs[held.shard], self.page_size
     seq = held.seq
+    window = alloc.window
     # A held partial last page is the sequence's own (see hold_skipped); should one still
     # be shared, it is copied before anything is written. A decoded turn's pages may run
     # past its length (grown ahead for calls it did not need).
@@ -41,9 +42,9 @@ class SlotBook:
                    alloc.refcount[seq.pages[-1]] > 1)
     need = max(0, cdiv(len(history) + sampling.max_tokens - 1, ps) - len(seq.pages))
     need += int(shared_tail)
-    if not alloc.reserve(need):
+    # The turn's prefill takes its pages before the window passes any: promised whole.
+    if not self._reserve(seq, need, need if window is not None else 0):
       return None
-    seq.reserved += need
     pair = seq.make_tail_writable(held.length)
     if pair is not None:
       self._copy([[pair] if s == held.shard else [] for s in range(self.shards)])
@@ -111,13 +112,17 @@ class SlotBook:
 
   def _copy(self, copies: list[list[tuple[int, int]]]) -> None:
     """Copy-on-write page copies: copies[s] the (src, dst) pairs of data shard s (its
-    padding copies the sink to itself)."""
+    padding copies the sink to itself); a window pool copies the window pages they map to."""
     width = pow2_at_least(max(len(pairs) for pairs in copies))
     src, dst = (np.zeros((self.shards, width), np.int32) for _ in range(2))  # 0 -> 0 pads.
     for shard, pairs in enumerate(copies):
       if pairs:
         src[shard, :len(pairs)], dst[shard, :len(pairs)] = zip(*pairs)
-    self.pool = programs.copy_pages(self.pool, *self.layout.put_rows((src, dst)),
+    operands = [src, dst]
+    if self.window_span is not None:
+      maps = np.stack([a.window.map for a in self.allocs])  # [shards, pages]
+      operands += [np.take_along_axis(maps, src, 1), np.take_along_axis(maps, dst, 1)]
+    self.pool = programs.copy_pages(self.pool, *self.layout.put_rows(tuple(operands)),
                                     layout=self.layout)
 
   def skip(self, prefix: Prefix) -> None:
@@ -202,13 +207,18 @@ class SlotBook:
     return needed
 
   def _release_behind_window(self, seq: PagedSequence, length: int) -> int:
-    """Gives back the pages of a running sequence that every layer's window has left.
+    """Gives back the pages of a running sequence that every layer's window has left, or
+    with a window pool the window pages its sliding layers' window has left (the table
+    row is unchanged then, so this returns 0).
 
     The next query sits at position `length` (the host's view, which lags the devices', so
     the devices' windows are past these pages too) and sees keys after length - window.
     Calls in flight may still gather a page given back here, and a later call may give it
     to another sequence: their reads of it are masked by the window, so its contents do
     not matter; writes only land at a sequence's newest positions."""
+    if self.window_span is not None:
+      seq.pass_window(length - self.model_config.sliding_window + 1)
+      return 0
     if self.release_window is None:
       return 0
     return seq.release_before(length - self.release_window + 1)

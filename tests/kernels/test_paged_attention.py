@@ -11,10 +11,11 @@ from tests.kernels.helpers import assert_close, page_tables, random_pool
 
 D = 16
 MAX_PAGES = 4
-reference = jax.jit(kernels.paged_attention_with_lse_reference)
+reference = jax.jit(kernels.paged_attention_with_lse_reference, static_argnames=("window",))
 
 
-def run_case(backend, hq, hkv, page_size, dtype, lengths, shared=(), seed=0, **config):
+def run_case(backend, hq, hkv, page_size, dtype, lengths, shared=(), seed=0, window=None,
+             **config):
   rng = np.random.default_rng(seed)
   num_pages = len(lengths) * MAX_PAGES + 2
   k_pages, v_pages = random_pool(rng, hkv, num_pages, page_size, D, dtype)
@@ -22,8 +23,9 @@ def run_case(backend, hq, hkv, page_size, dtype, lengths, shared=(), seed=0, **c
   q = jnp.asarray(rng.normal(size=(len(lengths), hq, D)), dtype)
   lengths = jnp.asarray(lengths, jnp.int32)
   cfg = kernels.PagedAttentionConfig(backend=backend, **config)
-  out, lse = kernels.paged_attention_with_lse(q, k_pages, v_pages, table, lengths, config=cfg)
-  ref_out, ref_lse = reference(q, k_pages, v_pages, table, lengths)
+  out, lse = kernels.paged_attention_with_lse(q, k_pages, v_pages, table, lengths, config=cfg,
+                                              window=window)
+  ref_out, ref_lse = reference(q, k_pages, v_pages, table, lengths, window=window)
   assert out.dtype == dtype and out.shape == q.shape
   assert_close(out, ref_out, dtype)
   assert_close(lse, ref_lse, jnp.float32)  # lse is accumulated in f32 from the same inputs
@@ -47,6 +49,16 @@ def test_matches_reference(backend, dtype, page_size, group):
   lengths = [1, full, page_size, page_size + 1, 3 * page_size - 3]
   run_case(backend, 2 * group, 2, page_size, dtype, lengths, shared=[(1, 4, 3)],
            block_kv=2 * page_size, num_splits=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_masks_keys_behind_it(backend):
+  """Gemma 3's sliding layers: a window of 11 over pages of 8, the query late in a page,
+  early in one, and shorter than the window; blocks of two pages, two context splits."""
+  out = run_case(backend, 4, 2, 8, jnp.float32, [29, 17, 5, 32], window=11, block_kv=16,
+                 num_splits=2)
+  full = run_case(backend, 4, 2, 8, jnp.float32, [29, 17, 5, 32], block_kv=16, num_splits=2)
+  assert np.allclose(out[2], full[2]) and not np.allclose(out[0], full[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,8 +9,11 @@ from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention
                                           paged_decode_attention)
 
 
+@pytest.mark.parametrize("window", [None, 11])
 @pytest.mark.parametrize("layer", [0, 2])
-def test_kernel_on_the_stacked_pool_equals_the_jnp_path(layer):
+def test_kernel_on_the_stacked_pool_equals_the_jnp_path(layer, window):
+  """window 11: the kernel reads the window's pages from its first one on (a sliding
+  layer's table of 4 pages of 8 narrowed to 3) and masks the keys before it."""
   hkv, n_layers, n_pages, ps, d, b, hq = 2, 3, 12, 8, 16, 4, 4
   rng = np.random.default_rng(layer)
   k_pool = jnp.asarray(rng.normal(size=(hkv, n_layers, n_pages, ps, d)), jnp.float32)
@@ -19,15 +22,16 @@ def test_kernel_on_the_stacked_pool_equals_the_jnp_path(layer):
   table = jnp.asarray(rng.integers(1, n_pages, (b, 4)), jnp.int32)  # shared pages too
   lengths = jnp.asarray([1, 8, 17, 32], jnp.int32)  # 1, one page, ragged, full
   run = lambda use_kernel: paged_decode_attention(q, k_pool, v_pool, jnp.int32(layer), table,
-                                                  lengths, use_kernel=use_kernel)
+                                                  lengths, sliding_window=window,
+                                                  use_kernel=use_kernel)
   np.testing.assert_allclose(run(True), run(False), atol=2e-5)  # f32 kernel tolerance
 
 
-def test_kernel_refuses_a_sliding_window():
+def test_kernel_refuses_soft_capping():
   pool = jnp.zeros((1, 1, 2, 8, 16))
-  with pytest.raises(ValueError, match="sliding window"):
+  with pytest.raises(ValueError, match="soft-capping"):
     paged_decode_attention(jnp.zeros((1, 1, 16)), pool, pool, 0, jnp.zeros((1, 1), jnp.int32),
-                           jnp.ones((1,), jnp.int32), sliding_window=4, use_kernel=True)
+                           jnp.ones((1,), jnp.int32), logit_cap=30.0, use_kernel=True)
 
 
 @pytest.mark.parametrize("d, page_size, kernel", [(16, 8, True), (8, 8, False),

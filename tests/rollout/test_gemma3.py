@@ -1,12 +1,13 @@
-"""The engine on the tiny Gemma 3 fixtures: sliding-window and full layers from one pool.
+"""The engine on the tiny Gemma 3 fixtures: sliding-window and full layers.
 
 Each scanned layer picks its window (and RoPE base) by its index, in the paged prefill and
-decode as in the dense forward. With a window of 6 and pages of 4, prompts and
+decode as in the dense forward. The sliding layers keep their K/V in a window pool of
+their own and give its pages back as their window passes them. With a window of 6 and pages of 4, prompts and
 continuations run well past the window, so the sliding layers skip whole pages the full
 layer still reads. Greedy tokens must equal the dense-cache decoder and transformers; the
 behaviour logprobs must equal a full (non-cached) forward over prompt + completion.
 Cascade decode has no window: engines asked for blocks keep them and decode plainly.
-Only a model whose every layer is windowed (Mistral) gives pages back while decoding.
+Only a model whose every layer is windowed (Mistral) gives whole pages back while decoding.
 """
 
 import dataclasses
@@ -75,7 +76,7 @@ def test_paged_greedy_equals_dense_forward_and_transformers(name):
 
 def test_engines_asked_for_cascade_keep_blocks_and_decode_plainly():
   model = gemma3("tiny_gemma3")
-  assert cascade_refusal(model.config) == "the model has sliding-window layers"
+  assert cascade_refusal(model.config).startswith("the model has sliding-window layers, ")
   assert cascade_refusal(H.CFG) is None
   cfg = dataclasses.replace(H.ENGINE, group_slots=2, prefix_cache=True)
   eng = Engine.from_model(model, cfg)
@@ -138,11 +139,51 @@ def test_pages_behind_every_layers_window_are_given_back_while_decoding():
   _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=80))
 
 
+def test_sliding_layers_hold_only_their_windows_pages():
+  """Gemma 3's sliding layers (3 of the fixture's 4) store K/V in the window pool, and a
+  decoding sequence gives back the window pages its window (6 tokens) has passed: they
+  hold a few pages per sequence while the global layer holds every page, and the tokens
+  and logprobs stay the dense decoder's."""
+  model = gemma3("tiny_gemma3")
+  engine = Engine.from_model(model, H.ENGINE)
+  assert (engine.pool.k.shape[1], engine.pool.wk.shape[1]) == (1, 3)  # [Hkv, L, pages, ...]
+  prompts, _ = _prompts("tiny_gemma3", (5, 17, 38), 3)
+  sampling = SamplingParams(temperature=0.0, max_tokens=80)  # Up to 30 pages of 4.
+  out = generate(engine, prompts, n=2, sampling=sampling)
+  main, window = engine.alloc, engine.alloc.window.alloc
+  # Measured: 51 global-layer pages at the peak against 16 window pages (a window of 6
+  # spans 2-3 pages; the rest are pages grown ahead for the decode calls in flight and
+  # prompt pages still shared by a group's other sample).
+  assert window.peak_in_use * 3 <= main.peak_in_use, (window.peak_in_use, main.peak_in_use)
+  assert engine.window_pages_in_use == engine.pages_in_use == 0  # All given back once.
+  assert window.reserved == main.reserved == 0
+  _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=80))
+
+
+def test_cached_prompts_share_their_window_pages_and_decode_as_prefilled_whole():
+  """Prompts with a 22-token common prefix (past the window of 6): later prompts take the
+  cached pages, the sliding layers' window pages with them, and decode as the dense
+  decoder does; once the cache is dropped every window page is back."""
+  model = gemma3("tiny_gemma3")
+  rng = np.random.default_rng(5)
+  common = rng.integers(0, model.config.vocab_size, 22).tolist()
+  prompts = [common + rng.integers(0, model.config.vocab_size, n).tolist() for n in (3, 9, 5)]
+  engine = Engine.from_model(model, dataclasses.replace(H.ENGINE, prefix_cache=True,
+                                                        prefill_rows=1))
+  sampling = SamplingParams(temperature=0.0, max_tokens=24)
+  out = generate(engine, prompts, n=1, sampling=sampling)
+  assert engine.cached_prompt_tokens >= 2 * 20  # Five whole pages of 4 for each later prompt.
+  _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=24))
+  assert engine.window_pages_in_use > 0  # The cache keeps its pages' window parts.
+  engine.drop_prefix_cache()
+  assert engine.window_pages_in_use == engine.pages_in_use == 0
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_mixed_window_decode_lowers_with_the_kernel_on_the_full_layers(platform):
-  """For a GPU or TPU the full layers' branch is the paged kernel and the sliding layers'
-  the jnp path (the kernel has no window), both inside one lax.cond in the layer scan."""
+def test_mixed_window_decode_lowers_with_the_kernel_on_both_kinds_of_layer(platform):
+  """For a GPU or TPU both branches of the layer scan's lax.cond are the paged kernel: the
+  full layers' over every page, the sliding layers' over its window's pages only."""
   from jaxrl_post.models import layers as L
   from jaxrl_post.rollout.attention import paged_decode_attention
   from tests.kernels.test_lowering import export, kernel_calls, paged_args
@@ -157,4 +198,4 @@ def test_mixed_window_decode_lowers_with_the_kernel_on_the_full_layers(platform)
     return jax.lax.scan(body, 0, jnp.arange(cfg.num_layers))[1]
 
   text = export(platform, decode_attention, *paged_args(jnp.bfloat16))
-  assert kernel_calls(platform, text) == 1 and "stablehlo.case" in text
+  assert kernel_calls(platform, text) == 2 and "stablehlo.case" in text
