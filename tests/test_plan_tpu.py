@@ -49,16 +49,17 @@ def test_decode_loop_compiles_for_tpu_with_the_paged_mosaic_kernel():
   assert cpu.kernels == ()
 
 
-def test_a_sliding_window_models_decode_loop_compiles_for_tpu_on_the_jnp_attention_path():
-  """The kernel has no window: such layers (Mistral, Gemma 3's local ones) gather their
-  pages in jnp on the TPU too, and that gather and its products must compile there."""
+def test_a_sliding_window_models_decode_loop_compiles_for_tpu_with_the_windowed_kernel():
+  """Sliding-window layers (Mistral, Gemma 3's local ones) run the paged kernel over their
+  window's pages on the TPU too (the table from the window's first page, the keys before
+  the window masked in the kernel): it must compile there, with the in-place KV write."""
   import dataclasses
 
   mesh = make_mesh(MeshConfig(data=2, tensor=2, fsdp=1), tpu_devices("v5e:2x2"))
   windowed = dataclasses.replace(CFG, sliding_window=24)
   m = plan.decode_loop_memory(windowed, num_slots=16, pages_per_shard=64, mesh=mesh, steps=4,
                               analyse=True)
-  assert "paged_attention mosaic" not in m.kernels and "kv_page_write mosaic" in m.kernels
+  assert "paged_attention mosaic" in m.kernels and "kv_page_write mosaic" in m.kernels
 
 
 def test_cascade_decode_compiles_for_tpu_with_both_paged_kernel_parts():

@@ -261,7 +261,12 @@ class Engine(SlotBook, CompileAheadMixin):
     private = self.private_pages(prompt_len, max_tokens)
     if room < private or room < 0:
       return 0
-    return room // private if private else 1 << 30
+    most = room // private if private else 1 << 30
+    window = self.allocs[0].window
+    if window is not None:  # Each sample holds at most its span of window pages.
+      room = window.alloc.usable - cdiv(prompt_len, self.page_size)
+      most = min(most, max(room, 0) // max(min(private, self.window_span), 1))
+    return most
 
   def validate(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
     """Raises UserError for a request this engine can never serve."""
