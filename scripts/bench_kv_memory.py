@@ -16,18 +16,18 @@ import argparse
 import json
 
 from jaxrl_post.models import preset
-from jaxrl_post.rollout.pages import cdiv, page_bytes, window_layers, window_span
+from jaxrl_post.rollout.pages import (cdiv, page_bytes, pool_page_bytes, window_layers,
+                                      window_share, window_span)
 
 
 def per_sequence(name: str, tokens: int, page_size: int, decode_steps: int, dtype: str):
   cfg = preset(name)
   pages = cdiv(tokens, page_size)
-  layer_page = page_bytes(cfg, page_size, dtype) // cfg.num_layers
   sliding = window_layers(cfg)
   span = window_span(cfg, page_size, decode_steps)
-  one_pool = pages * cfg.num_layers * layer_page
-  split = pages * (cfg.num_layers - sliding) * layer_page
-  split += min(pages, span or pages) * sliding * layer_page
+  one_pool = pages * page_bytes(cfg, page_size, dtype)
+  share = window_share(cfg, page_size, pages, decode_steps)  # As the engine sizes its pool.
+  split = pages * pool_page_bytes(cfg, page_size, dtype, share)
   return {"model": name, "tokens": tokens, "layers": cfg.num_layers, "sliding_layers": sliding,
           "window": cfg.sliding_window, "window_pages_per_sequence": min(pages, span or pages),
           "one_pool_mb": round(one_pool / 2**20, 1), "window_pool_mb": round(split / 2**20, 1),

@@ -96,10 +96,10 @@ class CompileAheadMixin:
     # The weights as they are (arrays a prefill never donates: an uncommitted one must stay
     # so, or the program differs); the pool and slots as shapes, since prefill calls on
     # the caller's thread donate them meanwhile.
-    operands = (self.params, *jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        (self.pool, self._device_slots, self._window_operand())))
-    operands = (*operands[:3], None, operands[3])  # No cascade prefix: see Engine.launch.
+    shapes = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    operands = (self.params, shapes(self.pool), shapes(self._device_slots), None,
+                shapes(self._window_operand()))
     program = programs.decode_program(self.layout)
     build = lambda rows: lambda: program.lower(*operands, rows=rows, **static).compile()
     return {("decode", rows): build(rows) for rows in guesses}

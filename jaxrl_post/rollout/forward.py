@@ -57,19 +57,22 @@ def _write_kv(pool: KVPool, layer, pages, slots, k, v) -> KVPool:  # [N] x2, [N,
                 pool.v.at[:, layer, pages, slots].set(v.astype(pool.v.dtype)))
 
 
-def layer_ranks(cfg) -> tuple[np.ndarray, np.ndarray]:
-  """([L] bool each layer is a sliding one, [L] int32 its index among its kind's layers):
-  with a window pool (rollout.pages.split_kv) a layer's K/V live at that index of the
-  window pool (sliding layers) or of the main pool (global layers)."""
+def _pool_layer(cfg, layer):  # scalar int (traced) -> (scalar bool, scalar int32)
+  """(whether `layer` is a sliding one, its index among its kind's layers): with a window
+  pool (rollout.pages.split_kv) a layer's K/V live at that index of the window pool
+  (sliding layers) or of the main pool (global layers)."""
   local = np.asarray([w is not None for w in cfg.layer_windows])
-  rank = np.where(local, np.cumsum(local) - 1, np.cumsum(~local) - 1)
-  return local, rank.astype(np.int32)
+  rank = np.where(local, np.cumsum(local) - 1, np.cumsum(~local) - 1).astype(np.int32)
+  return L.layer_is_local(cfg, layer), jnp.asarray(rank)[layer]
 
 
-def _write_split(cfg, pool: KVPool, window_map, layer, pages, slots, k, v) -> KVPool:
-  """_write_kv for a pool with a window pool: a sliding layer writes the window pages its
-  pages map to, a global layer the pages themselves; each writes the other pool's sink."""
-  local, rank = (jnp.asarray(a)[layer] for a in layer_ranks(cfg))
+def _write(cfg, pool: KVPool, window_map, layer, pages, slots, k, v) -> KVPool:
+  """_write_kv into the layer's own pool: with a window pool a sliding layer writes the
+  window pages its pages map to, a global layer the pages themselves, and each writes the
+  other pool's sink."""
+  if pool.wk is None:
+    return _write_kv(pool, layer, pages, slots, k, v)
+  local, rank = _pool_layer(cfg, layer)
   full = _write_kv(KVPool(pool.k, pool.v), jnp.where(local, 0, rank),
                    jnp.where(local, TRASH_PAGE, pages), slots, k, v)
   window = _write_kv(KVPool(pool.wk, pool.wv), jnp.where(local, rank, 0),
@@ -77,12 +80,16 @@ def _write_split(cfg, pool: KVPool, window_map, layer, pages, slots, k, v) -> KV
   return KVPool(full.k, full.v, window.k, window.v)
 
 
-def _split_attention(cfg, attention, window_map, layer, q, pool: KVPool, table, *args):
-  """attention(q, k_pool, v_pool, layer, table, *args, sliding_window=, logit_cap=) on the
-  layer's own pool: a sliding layer's window pages (the table mapped through window_map)
-  or a global layer's pages."""
-  local, rank = (jnp.asarray(a)[layer] for a in layer_ranks(cfg))
+def _attend(cfg, attention, window_map, layer, q, pool: KVPool, table, *args):
+  """attention(q, k_pool, v_pool, layer, table, *args, sliding_window=, logit_cap=) with
+  the layer's window, on the layer's own pool: with a window pool a sliding layer reads
+  the window pages its table maps to, a global layer the table's pages."""
   cap = cfg.attn_logit_softcapping
+  if pool.wk is None:
+    attend = L.per_layer(cfg, lambda window: functools.partial(
+        attention, sliding_window=window, logit_cap=cap))
+    return attend(layer, q, pool.k, pool.v, layer, table, *args)
+  local, rank = _pool_layer(cfg, layer)
   sliding = lambda: attention(q, pool.wk, pool.wv, rank, jnp.take(window_map, table), *args,
                               sliding_window=cfg.sliding_window, logit_cap=cap)
   full = lambda: attention(q, pool.k, pool.v, rank, table, *args, sliding_window=None,
@@ -158,13 +165,6 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   q [B, Hq, D], k/v [B, Hkv, D]; every other operand as in `decode_step`. Returns
   (attn [B, Hq, D], pool).
   """
-  if pool.wk is not None:  # A window pool: no cascade (cascade_refusal).
-    pages = _target_pages(page_table, (lengths // pool.k.shape[3])[:, None],
-                          active[:, None])[:, 0]
-    pool = _write_split(cfg, pool, window_map, layer, pages, lengths % pool.k.shape[3], k, v)
-    attn = _split_attention(cfg, paged_decode_attention, window_map, layer, q, pool,
-                            page_table, lengths + 1)
-    return attn, pool
   ps = pool.k.shape[3]
   table_start = 0  # Position of each row's first page-table token.
   if shared is not None:
@@ -177,12 +177,11 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
     shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
   page_index = (lengths - table_start) // ps  # [B]
   pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
-  pool = _write_kv(pool, layer, pages, lengths % ps, k, v)
+  pool = _write(cfg, pool, window_map, layer, pages, lengths % ps, k, v)
   if shared is None:
-    attend = L.per_layer(cfg, lambda window: functools.partial(
-        paged_decode_attention, sliding_window=window, logit_cap=cfg.attn_logit_softcapping))
-    attn = attend(layer, q, pool.k, pool.v, layer, page_table, lengths + 1)
-  else:
+    attn = _attend(cfg, paged_decode_attention, window_map, layer, q, pool, page_table,
+                   lengths + 1)
+  else:  # No window pool here (cascade_refusal above).
     suffix_lengths = jnp.where(active, lengths + 1 - table_start, 0)  # [B]
     attn = cascade_decode_attention(q, pool.k, pool.v, layer, shared, page_table,
                                     suffix_lengths)
@@ -257,19 +256,10 @@ def _prefill_local(cfg, pool: KVPool, layer, q, k, v, rows: PackedRows, window_m
   """One device's prefill write + attention (q [B, T, Hq, D], k/v [B, T, Hkv, D])."""
   ps = pool.k.shape[3]
   flat = lambda a: a.reshape(-1, *a.shape[2:])
-  if pool.wk is not None:
-    pool = _write_split(cfg, pool, window_map, layer, flat(rows.write_pages),
-                        flat(rows.positions % ps), flat(k), flat(v))
-    attn = _split_attention(cfg, paged_prefill_attention, window_map, layer, q, pool,
-                            rows.key_pages, rows.key_segments, rows.key_starts,
-                            rows.positions, rows.segments)
-    return attn, pool
-  pool = _write_kv(pool, layer, flat(rows.write_pages), flat(rows.positions % ps), flat(k),
-                   flat(v))
-  attend = L.per_layer(cfg, lambda window: functools.partial(
-      paged_prefill_attention, sliding_window=window, logit_cap=cfg.attn_logit_softcapping))
-  attn = attend(layer, q, pool.k, pool.v, layer, rows.key_pages, rows.key_segments,
-                rows.key_starts, rows.positions, rows.segments)
+  pool = _write(cfg, pool, window_map, layer, flat(rows.write_pages),
+                flat(rows.positions % ps), flat(k), flat(v))
+  attn = _attend(cfg, paged_prefill_attention, window_map, layer, q, pool, rows.key_pages,
+                 rows.key_segments, rows.key_starts, rows.positions, rows.segments)
   return attn, pool
 
 

@@ -91,7 +91,7 @@ def split_kv(cfg: ModelConfig) -> bool:
   """Whether sliding-window layers keep their K/V in a window pool of their own: models
   with both sliding and global layers (every layer windowed, as in Mistral, gives whole
   pages back instead: PagedSequence.release_before)."""
-  return cfg.mixed_windows and cfg.any_window
+  return cfg.mixed_windows  # Layers have either no window or the model's sliding_window.
 
 
 def window_layers(cfg: ModelConfig) -> int:
@@ -445,20 +445,18 @@ class PagedSequence:
         given += 1
     return given
 
-  def pass_window(self, first_token: int) -> int:
+  def pass_window(self, first_token: int) -> None:
     """Window pool: drops the window parts of the pages wholly before `first_token`,
     which no sliding layer reads again (the pages stay for the global layers). Each window
     page that goes back is promised again while the sequence may still take pages, so its
-    reservation stays within its span. Returns how many window parts it dropped."""
+    reservation stays within its span."""
     window, n = self.alloc.window, min(max(first_token, 0) // self.page_size, len(self.pages))
-    dropped = 0
     for i in range(self.passed, n):
       if window.drop(self.pages[i]) and self.wreserved < self.reserved:
-        assert window.alloc.reserve(1)  # The page just freed.
+        promised = window.alloc.reserve(1)  # The page just freed.
+        assert promised
         self.wreserved += 1
-      dropped += 1
     self.passed = max(self.passed, n)
-    return dropped
 
   def free(self) -> None:
     """Returns the pages (dropping this sequence's references) and the reservation."""

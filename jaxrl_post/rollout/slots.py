@@ -34,7 +34,6 @@ class SlotBook:
     """
     alloc, ps = self.allocs[held.shard], self.page_size
     seq = held.seq
-    window = alloc.window
     # A held partial last page is the sequence's own (see hold_skipped); should one still
     # be shared, it is copied before anything is written. A decoded turn's pages may run
     # past its length (grown ahead for calls it did not need).
@@ -43,7 +42,7 @@ class SlotBook:
     need = max(0, cdiv(len(history) + sampling.max_tokens - 1, ps) - len(seq.pages))
     need += int(shared_tail)
     # The turn's prefill takes its pages before the window passes any: promised whole.
-    if not self._reserve(seq, need, need if window is not None else 0):
+    if not self._reserve(seq, need, need):
       return None
     pair = seq.make_tail_writable(held.length)
     if pair is not None:
