@@ -7,7 +7,7 @@ continuations run well past the window, so the sliding layers skip whole pages t
 layer still reads. Greedy tokens must equal the dense-cache decoder and transformers; the
 behaviour logprobs must equal a full (non-cached) forward over prompt + completion.
 Cascade decode has no window: engines asked for blocks keep them and decode plainly.
-Only a model whose every layer is windowed (Mistral) gives whole pages back while decoding.
+An all-sliding model (Mistral) is tests/rollout/test_window_release.py's.
 """
 
 import dataclasses
@@ -116,27 +116,6 @@ def test_soft_capped_attention_scores_in_the_paged_forward():
   _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=12))
   uncapped = _full_forward_logprobs(base, prompts[0], out[0][0].tokens)
   assert np.abs(uncapped - np.asarray(out[0][0].logprobs)).max() > 1e-3
-
-
-def test_pages_behind_every_layers_window_are_given_back_while_decoding():
-  """An all-sliding model (Mistral) gives back pages no layer reads again, so it holds a
-  few pages per sequence instead of all of them; Gemma 3's global layer keeps every page."""
-  assert Engine.from_model(gemma3("tiny_gemma3"), H.ENGINE).release_window is None
-  cfg = dataclasses.replace(H.CFG, sliding_window=6)
-  params = params_of(H.model())
-  prompts = H.prompts(np.random.default_rng(7), [3, 21])
-  sampling = SamplingParams(temperature=0.0, max_tokens=80)  # 21 pages of 4 at most.
-  windowed = Engine(cfg, params, H.ENGINE)
-  assert windowed.release_window == 6
-  out = generate(windowed, prompts, n=1, sampling=sampling)
-  full = Engine(H.CFG, params, H.ENGINE)
-  generate(full, prompts, n=1, sampling=sampling)
-  # Measured: 14 pages against 46 (the window's 2-3 pages per sequence, plus those grown
-  # ahead for the decode calls in flight).
-  assert windowed.alloc.peak_in_use <= full.alloc.peak_in_use // 3
-  assert windowed.pages_in_use == 0 and windowed.alloc.reserved == 0  # All given back once.
-  model = with_params(init_model(cfg), params)
-  _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=80))
 
 
 def test_sliding_layers_hold_only_their_windows_pages():
