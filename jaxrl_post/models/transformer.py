@@ -275,8 +275,13 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
   n = _INPUT_DIMS[name]
   y = jnp.tensordot(x, p[name].astype(x.dtype), axes=n)
   if f"{name}_lora_a" in p:
-    xa = jnp.tensordot(x, p[f"{name}_lora_a"].astype(x.dtype), axes=n)  # [B * T, r]
-    delta = jnp.tensordot(xa, p[f"{name}_lora_b"].astype(x.dtype), axes=1)
+    a, b = p[f"{name}_lora_a"].astype(x.dtype), p[f"{name}_lora_b"].astype(x.dtype)
+    if a.ndim == n + 2:  # One adapter per row, [B, in..., r] (serve's batched multi-LoRA).
+      low_rank = lambda xr, ar, br: jnp.tensordot(jnp.tensordot(xr, ar, axes=n), br, axes=1)
+      delta = jax.vmap(low_rank)(x.reshape(lead + x.shape[1:]), a, b)
+      delta = delta.reshape((-1,) + delta.shape[2:])
+    else:
+      delta = jnp.tensordot(jnp.tensordot(x, a, axes=n), b, axes=1)  # via [B * T, r]
     y = y + (cfg.lora.scale * delta).astype(y.dtype)
   return y.reshape(lead + y.shape[1:])
 

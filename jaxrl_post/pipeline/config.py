@@ -471,6 +471,16 @@ def build_experiment() -> Experiment:
   return validate(exp)
 
 
+def build(name: str) -> Any:
+  """One registered config class (e.g. a command's own), built through the gin bindings."""
+  try:
+    return CONFIGURABLES[name]()
+  except UserError as e:
+    raise UserError(str(e).splitlines()[0]) from e
+  except (TypeError, ValueError) as e:
+    raise UserError(f"config: {_first_lines(e)}") from e
+
+
 def validate(exp: Experiment) -> Experiment:
   """Cross-field checks no single config can make."""
   k = exp.rollout.group_size

@@ -1,0 +1,219 @@
+"""Many LoRA adapters of one rank over one frozen base model, trained in batched programs.
+
+The adapters live stacked on a slot axis: each LoRA matrix is [L, S, ...] for S slots
+(L layers first, so the layer scan slices it as it slices the base weights). A batch
+of datums from several adapters runs as ONE forward/backward: each row gathers its
+adapter ([L, B, ...]; models.transformer._dense applies one adapter per row), the loss
+is the sum of every row's, and the gradient of the gather adds each row's gradient into
+its own slot. Gradients accumulate per slot until that adapter's optim_step, which
+updates only its slot (AdamW with the step's hyperparameters and the slot's own step
+count), so adapters never see each other's data or weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.kernels import ChunkedLogprobConfig
+from jaxrl_post.models.config import LoraConfig, ModelConfig
+from jaxrl_post.models.transformer import (abstract_model, init_model, params_of,
+                                           split_adapters, with_params)
+from jaxrl_post.rl.forward import head_logprobs
+from jaxrl_post.rl.packing import bucket
+from jaxrl_post.serve import losses
+
+# LoRA on every matrix of attention and MLP (Tinker's train_attn and train_mlp).
+ATTN = ("wq", "wk", "wv", "wo")
+MLP = ("w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One datum of one adapter: N input tokens and per-position loss inputs [N]."""
+
+  slot: int
+  tokens: np.ndarray  # [N] int32
+  inputs: dict[str, np.ndarray]  # target_tokens and the loss's inputs, each [N]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamParams:
+  learning_rate: float = 1e-4
+  beta1: float = 0.9
+  beta2: float = 0.95
+  eps: float = 1e-12
+  weight_decay: float = 0.0
+  grad_clip_norm: float = 0.0
+
+
+def _stack(tree, slots: int):  # [L, ...] leaves -> [L, S, ...] zeros
+  return jax.tree.map(lambda x: jnp.zeros((x.shape[0], slots, *x.shape[1:]), jnp.float32), tree)
+
+
+class AdapterBank:
+  """`capacity` adapter slots of `lora` over `base` (a params_of dict without adapters)."""
+
+  def __init__(self, cfg: ModelConfig, base: dict, lora: LoraConfig, capacity: int,
+               mesh: Optional[jax.sharding.Mesh] = None):
+    self.cfg = cfg.replace(lora=lora)
+    self.capacity = capacity
+    self.mesh = mesh
+    rows = 1 if mesh is None else mesh.size
+    self.row_multiple = rows
+    shapes = split_adapters(jax.eval_shape(lambda: params_of(init_model(self.cfg))))[0]
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    self._rows = None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    place = (lambda t: t) if mesh is None else (lambda t: jax.device_put(t, replicated))
+    self.base = place(base)
+    zeros = place(_stack(shapes, capacity))
+    # Adapter weights, their accumulated gradients and Adam moments: [L, S, ...] each.
+    self.lora, self.grads, self.mu, self.nu = zeros, zeros, zeros, zeros
+    self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
+    self.free = list(range(capacity))
+
+  # ---------------------------------------------------------------- slots
+
+  def allocate(self, seed: int) -> int:
+    """A slot holding a fresh adapter (A random, B zero: a no-op until trained)."""
+    if not self.free:
+      raise UserError(f"create_model: all {self.capacity} adapter slots of rank "
+                      f"{self.cfg.lora.rank} are in use (start the server with more "
+                      "--max_adapters)")
+    slot = self.free.pop(0)
+    fresh = split_adapters(params_of(init_model(self.cfg, seed=seed)))[0]
+    self.set_adapter(slot, fresh, None)
+    return slot
+
+  def release(self, slot: int) -> None:
+    self.free.append(slot)
+
+  def adapter(self, slot: int) -> dict:
+    """The slot's adapter as a params_of-shaped dict of [L, ...] arrays."""
+    return jax.tree.map(lambda x: x[:, slot], self.lora)
+
+  def optimizer_state(self, slot: int) -> dict:
+    return {"mu": jax.tree.map(lambda x: x[:, slot], self.mu),
+            "nu": jax.tree.map(lambda x: x[:, slot], self.nu),
+            "steps": np.int64(self.steps[slot])}
+
+  def set_adapter(self, slot: int, adapter: dict, optimizer: Optional[dict]) -> None:
+    """Writes an adapter (and its Adam state, or fresh state) into `slot`."""
+    put = lambda bank, one: jax.tree.map(lambda b, x: b.at[:, slot].set(x), bank, one)
+    self.lora = put(self.lora, adapter)
+    self.grads = put(self.grads, jax.tree.map(jnp.zeros_like, adapter))
+    zeros = jax.tree.map(jnp.zeros_like, adapter)
+    self.mu = put(self.mu, zeros if optimizer is None else optimizer["mu"])
+    self.nu = put(self.nu, zeros if optimizer is None else optimizer["nu"])
+    self.steps[slot] = 0 if optimizer is None else int(optimizer["steps"])
+
+  def merged(self, slot: int) -> dict:
+    """Base + the slot's adapter: the full params of a LoRA model (for the sampler)."""
+    adapter = self.adapter(slot)
+    return {**self.base, "layers": {**self.base["layers"], **adapter["layers"]}}
+
+  # ---------------------------------------------------------------- forward / backward
+
+  def forward_backward(self, rows: list[Row], loss_fn: str, config: dict,
+                       forward_only: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """Runs the rows as one batch: (each row's target logprobs [N], each row's loss).
+    Without forward_only, adds each row's gradient to its slot's accumulated gradient."""
+    loss, config = losses.resolve(loss_fn, config)
+    batch = self._batch(rows, loss.inputs)
+    program = _program(self.cfg, loss_fn, forward_only)
+    consts = {k: jnp.float32(v) for k, v in config.items()}
+    grads, logp, per_row = program(self.lora, self.grads, self.base, batch, consts)
+    if not forward_only:
+      self.grads = grads
+    logp, per_row = np.asarray(logp), np.asarray(per_row)
+    return [logp[i, :len(r.tokens)] for i, r in enumerate(rows)], per_row[:len(rows)]
+
+  def _batch(self, rows: list[Row], names: tuple[str, ...]) -> dict:
+    """Rows padded to bucketed [B, T] (bounded recompiles), B a multiple of the devices."""
+    width = bucket(max(len(r.tokens) for r in rows), 16)
+    n = bucket(len(rows), self.row_multiple)
+    out = {"slot": np.zeros((n,), np.int32), "tokens": np.zeros((n, width), np.int32),
+           "targets": np.zeros((n, width), np.int32), "mask": np.zeros((n, width), np.float32)}
+    out["inputs"] = {k: np.zeros((n, width), np.float32) for k in names}
+    for i, r in enumerate(rows):
+      m = len(r.tokens)
+      out["slot"][i], out["tokens"][i, :m], out["mask"][i, :m] = r.slot, r.tokens, 1.0
+      out["targets"][i, :m] = r.inputs["target_tokens"]
+      for k in names:
+        out["inputs"][k][i, :m] = r.inputs[k]
+    if self._rows is not None:
+      out = jax.device_put(out, jax.tree.map(lambda _: self._rows, out))
+    return out
+
+  # ---------------------------------------------------------------- optimizer
+
+  def optim_step(self, slot: int, hp: AdamParams) -> dict[str, float]:
+    """One AdamW step of `slot` on its accumulated gradient, which it then clears."""
+    self.steps[slot] += 1
+    scalars = {k: jnp.float32(v) for k, v in dataclasses.asdict(hp).items()}
+    self.lora, self.grads, self.mu, self.nu, norm = _adam(
+        self.lora, self.grads, self.mu, self.nu, jnp.int32(slot),
+        jnp.float32(self.steps[slot]), scalars)
+    return {"grad_norm": float(norm)}
+
+
+@functools.lru_cache(maxsize=None)
+def _program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
+  """The jitted batched forward(/backward) of one loss (cached per model and loss)."""
+  loss, model = losses.LOSSES.get(loss_fn), abstract_model(cfg)
+
+  def total_loss(lora, base, batch, config):
+    per_row_lora = jax.tree.map(lambda x: jnp.take(x, batch["slot"], axis=1), lora)
+    params = {**base, "layers": {**base["layers"], **per_row_lora["layers"]}}
+    m = with_params(model, params)
+    b, t = batch["tokens"].shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    segments = batch["mask"].astype(jnp.int32)
+    hidden = m(batch["tokens"], positions, segments)  # [B, T, D]
+    lp, _ = head_logprobs(hidden.reshape(1, b * t, -1), m.lm_head_weight().astype(hidden.dtype),
+                          batch["targets"].reshape(1, b * t), 1.0, ChunkedLogprobConfig())
+    lp = lp.reshape(b, t) * batch["mask"]
+    per_token = loss.fn(lp, batch["inputs"], batch["mask"], config)
+    per_row = jnp.sum(per_token, axis=-1)
+    return jnp.sum(per_row), (lp, per_row)
+
+  def run(lora, grads, base, batch, config):
+    if forward_only:
+      _, (lp, per_row) = total_loss(lora, base, batch, config)
+      return grads, lp, per_row
+    g, (lp, per_row) = jax.grad(total_loss, has_aux=True)(lora, base, batch, config)
+    return jax.tree.map(jnp.add, grads, g), lp, per_row
+
+  return jax.jit(run, donate_argnums=() if forward_only else (1,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+def _adam(lora, grads, mu, nu, slot, count, hp):
+  """AdamW on one slot: decoupled weight decay, optional global-norm clipping."""
+  take = lambda tree: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 1, False),
+                                   tree)
+  put = lambda tree, one: jax.tree.map(
+      lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, slot, 1), tree, one)
+  g, p, m, v = take(grads), take(lora), take(mu), take(nu)
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)))
+  clip = hp["grad_clip_norm"]
+  scale = jnp.where(clip > 0, jnp.minimum(1.0, clip / (norm + 1e-6)), 1.0)
+  b1, b2 = hp["beta1"], hp["beta2"]
+  m = jax.tree.map(lambda m1, g1: b1 * m1 + (1 - b1) * g1 * scale, m, g)
+  v = jax.tree.map(lambda v1, g1: b2 * v1 + (1 - b2) * jnp.square(g1 * scale), v, g)
+  c1, c2 = 1 - b1 ** count, 1 - b2 ** count
+
+  def update(p1, m1, v1):
+    step = (m1 / c1) / (jnp.sqrt(v1 / c2) + hp["eps"]) + hp["weight_decay"] * p1
+    return p1 - hp["learning_rate"] * step
+
+  p = jax.tree.map(update, p, m, v)
+  zero = jax.tree.map(jnp.zeros_like, g)
+  return put(lora, p), put(grads, zero), put(mu, m), put(nu, v), norm

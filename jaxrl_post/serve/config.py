@@ -1,0 +1,38 @@
+"""The service's settings: gin-bindable as ServeConfig.* (e.g. --gin_param=ServeConfig.max_adapters=16)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl_post.errors import UserError
+from jaxrl_post.plugins import register
+from jaxrl_post.rollout.engine_config import EngineConfig
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """Attributes:
+    max_adapters: LoRA adapters trained at once per rank (slots of one batched program).
+    lora_alpha: adapters compute W + (lora_alpha / rank) * A @ B.
+    max_length: the longest datum, or prompt + completion, a request may send.
+    default_max_tokens: completion limit of samples that name none.
+    engine: the sampler's engine (slots, pages, decode steps).
+    poll_seconds: how long retrieve_future holds a request for a result before it answers
+      try_again (the client re-polls at once; its own timeout is 45 s).
+  """
+
+  max_adapters: int = 8
+  lora_alpha: float = 32.0
+  max_length: int = 2048
+  default_max_tokens: int = 256
+  engine: EngineConfig = EngineConfig(num_slots=16, decode_steps=8)
+  poll_seconds: float = 20.0
+
+  def __post_init__(self):
+    for name in ("max_adapters", "max_length", "default_max_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise UserError(f"ServeConfig.{name}: must be a positive integer, got {value!r}")
+    if not 0 < self.poll_seconds <= 40:
+      raise UserError(f"ServeConfig.poll_seconds: must be in (0, 40], got {self.poll_seconds}")

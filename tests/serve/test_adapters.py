@@ -1,0 +1,147 @@
+"""Batched multi-LoRA: one program over several adapters gives each adapter exactly what
+it would get alone, and optim_step moves only its own adapter (AdamW as optax's)."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_post import models
+from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import LoraConfig
+from jaxrl_post.models.transformer import init_model, params_of, split_adapters, with_params
+from jaxrl_post.serve import losses
+from jaxrl_post.serve.adapters import ATTN, MLP, AdamParams, AdapterBank, Row
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "tiny_llama")
+LORA = LoraConfig(rank=4, alpha=8.0, targets=ATTN + MLP)
+
+
+@pytest.fixture(scope="module")
+def base():
+  model, _ = models.load(FIXTURE, compute_dtype="float32")
+  return model.config, params_of(model)
+
+
+def _adapter(cfg, seed):  # A random adapter with B non-zero, so it changes the outputs.
+  adapter = split_adapters(params_of(init_model(cfg.replace(lora=LORA), seed=seed)))[0]
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+  return jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape), adapter)
+
+
+def _rows(slot, seed, lengths, vocab):
+  rng = np.random.default_rng(seed)
+  out = []
+  for n in lengths:
+    seq = rng.integers(0, vocab, n + 1).astype(np.int32)
+    out.append(Row(slot, seq[:-1], {"target_tokens": seq[1:], "weights": rng.random(n),
+                                    "logprobs": -rng.random(n) * 3, "advantages": rng.normal(size=n)}))
+  return out
+
+
+def _alone(cfg, base, adapter, rows, loss_fn):
+  """One adapter's logprobs [N] per row and loss gradient, from the plain dense forward."""
+  model = init_model(cfg.replace(lora=LORA))
+  loss, config = losses.resolve(loss_fn, {})
+
+  def total(adapter):
+    params = {**base, "layers": {**base["layers"], **adapter["layers"]}}
+    m = with_params(model, params)
+    out, lps = 0.0, []
+    for r in rows:
+      h = m(jnp.asarray(r.tokens)[None], jnp.arange(len(r.tokens))[None])
+      lp = jax.nn.log_softmax(m.logits(h)[0], -1)[jnp.arange(len(r.tokens)), r.inputs["target_tokens"]]
+      inputs = {k: jnp.asarray(r.inputs[k], jnp.float32)[None] for k in loss.inputs}
+      out = out + jnp.sum(loss.fn(lp[None], inputs, jnp.ones((1, len(r.tokens))), config))
+      lps.append(lp)
+    return out, lps
+
+  (_, lps), grad = jax.jit(jax.value_and_grad(total, has_aux=True))(adapter)
+  return [np.asarray(x) for x in lps], grad
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", pytest.param("ppo", marks=pytest.mark.sweep)])
+def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn):
+  cfg, params = base
+  bank = AdapterBank(cfg, params, LORA, capacity=3)
+  a, b = bank.allocate(0), bank.allocate(1)
+  adapters = {a: _adapter(cfg, 10), b: _adapter(cfg, 11)}
+  for slot, adapter in adapters.items():
+    bank.set_adapter(slot, adapter, None)
+  rows = {a: _rows(a, 0, (5, 13), cfg.vocab_size), b: _rows(b, 1, (9,), cfg.vocab_size)}
+  batch = rows[b][:1] + rows[a]  # Interleaved on purpose: rows find their own slot.
+  lps, per_row = bank.forward_backward(batch, loss_fn, {}, forward_only=False)
+  got = {b: lps[:1], a: lps[1:]}
+  for slot in (a, b):
+    want_lps, want_grad = _alone(cfg, params, adapters[slot], rows[slot], loss_fn)
+    for g, w in zip(got[slot], want_lps):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    grad = jax.tree.map(lambda x: x[:, slot], bank.grads)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6),
+                 grad, want_grad)
+  assert not np.any(np.asarray(jax.tree.leaves(bank.grads)[0][:, 2]))  # The free slot: none.
+
+
+def test_optim_step_is_adamw_on_its_own_slot_only(base):
+  cfg, params = base
+  bank = AdapterBank(cfg, params, LORA, capacity=2)
+  a, b = bank.allocate(0), bank.allocate(1)
+  before_b = bank.adapter(b)
+  hp = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
+  ref = optax.adamw(hp.learning_rate, hp.beta1, hp.beta2, hp.eps, weight_decay=hp.weight_decay)
+  want, state = bank.adapter(a), None
+  state = ref.init(want)
+  for step in range(2):
+    bank.forward_backward(_rows(a, step, (7,), cfg.vocab_size), "cross_entropy", {}, False)
+    grad = jax.tree.map(lambda x: x[:, a], bank.grads)
+    updates, state = ref.update(grad, state, want)
+    want = optax.apply_updates(want, updates)
+    bank.optim_step(a, hp)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7),
+               bank.adapter(a), want)
+  jax.tree.map(np.testing.assert_array_equal, bank.adapter(b), before_b)
+  assert not np.any(np.asarray(jax.tree.leaves(bank.grads)[0]))  # Cleared by the step.
+
+
+def _numpy_loss(name, lp, q, adv, w, cfg):
+  ratio = np.exp(lp - q)
+  clip = np.clip(ratio, cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2))
+  return {"cross_entropy": -lp * w, "importance_sampling": -ratio * adv,
+          "ppo": -np.minimum(ratio * adv, clip * adv), "cispo": -clip * lp * adv,
+          "dro": -(lp * adv - 0.5 * cfg.get("beta", 0) * (lp - q) ** 2)}[name]
+
+
+@pytest.mark.parametrize("name,config", [("cross_entropy", {}), ("importance_sampling", {}),
+                                         ("ppo", {"clip_low_threshold": 0.9}), ("cispo", {}),
+                                         ("dro", {"beta": 0.05})])
+def test_each_loss_is_its_documented_formula(name, config):
+  rng = np.random.default_rng(3)
+  lp, q, adv, w = -rng.random((2, 6)), -rng.random((2, 6)), rng.normal(size=(2, 6)), rng.random((2, 6))
+  loss, full = losses.resolve(name, config)
+  inputs = {"logprobs": q, "advantages": adv, "weights": w}
+  got = loss.fn(jnp.asarray(lp), {k: jnp.asarray(v) for k, v in inputs.items()},
+                jnp.ones((2, 6)), full)
+  np.testing.assert_allclose(got, _numpy_loss(name, lp, q, adv, w, config), rtol=1e-6)
+
+
+def test_gspo_weighs_tokens_by_their_sequences_mean_ratio():
+  lp, q = jnp.asarray([[-1.0, -2.0, -3.0]]), jnp.asarray([[-1.2, -2.2, -9.0]])
+  mask = jnp.asarray([[1.0, 1.0, 0.0]])  # The last token is not the sampler's.
+  loss, cfg = losses.resolve("gspo", {"clip_high_threshold": 2.0})
+  inputs = {"logprobs": q, "advantages": jnp.ones((1, 3)), "sequence_ratio_mask": mask}
+  got = loss.fn(lp, inputs, jnp.ones((1, 3)), cfg)
+  np.testing.assert_allclose(got, [[-np.exp(0.2), -np.exp(0.2), 0.0]], rtol=1e-6)
+  grad = jax.grad(lambda x: jnp.sum(loss.fn(x, inputs, jnp.ones((1, 3)), cfg)))(lp)
+  np.testing.assert_allclose(grad, [[-np.exp(0.2), -np.exp(0.2), 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,config,message", [
+    ("nope", {}, "not a known loss_fn"), ("stable_reinforce", {}, "provenance"),
+    ("ppo", {"beta": 1.0}, "not options of 'ppo'"), ("dro", {}, "beta: 'dro' needs a number")])
+def test_a_loss_mistake_is_one_line_naming_it(name, config, message):
+  with pytest.raises(UserError, match=message):
+    losses.resolve(name, config)
