@@ -88,8 +88,7 @@ class AdapterBank:
                       f"{self.cfg.lora.rank} are in use (start the server with more "
                       "--max_adapters)")
     slot = self.free.pop(0)
-    fresh = split_adapters(params_of(init_model(self.cfg, seed=seed)))[0]
-    self.set_adapter(slot, fresh, None)
+    self.set_adapter(slot, fresh_adapter(self.cfg, seed), None)
     return slot
 
   def release(self, slot: int) -> None:
@@ -162,6 +161,21 @@ class AdapterBank:
         self.lora, self.grads, self.mu, self.nu, jnp.int32(slot),
         jnp.float32(self.steps[slot]), scalars)
     return {"grad_norm": float(norm)}
+
+
+def fresh_adapter(cfg: ModelConfig, seed: int) -> dict:
+  """A new adapter: A ~ N(0, 1 / fan_in), as PEFT's Kaiming init scales it, so the first
+  steps' gradients on B are not scaled down by a tiny A; B = 0, so it starts as a no-op."""
+  shapes = split_adapters(jax.eval_shape(lambda: params_of(init_model(cfg))))[0]
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
+
+  def init(path, x):
+    if str(path[-1].key).endswith("_lora_b"):
+      return jnp.zeros(x.shape, jnp.float32)
+    fan_in = int(np.prod(x.shape[1:-1]))  # [L, in..., r]
+    return jax.random.normal(next(keys), x.shape, jnp.float32) / np.sqrt(fan_in)
+
+  return jax.tree_util.tree_map_with_path(init, shapes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,8 @@ class ServeConfig:
     max_length: the longest datum, or prompt + completion, a request may send.
     default_max_tokens: completion limit of samples that name none.
     engine: the sampler's engine (slots, pages, decode steps).
+    batch_wait_s: how long a forward_backward waits for those of other adapters whose
+      clients were active in the last 2 s, to run with them as one program.
     poll_seconds: how long retrieve_future holds a request for a result before it answers
       try_again (the client re-polls at once; its own timeout is 45 s).
   """
@@ -27,6 +29,7 @@ class ServeConfig:
   max_length: int = 2048
   default_max_tokens: int = 256
   engine: EngineConfig = EngineConfig(num_slots=16, decode_steps=8)
+  batch_wait_s: float = 0.005
   poll_seconds: float = 20.0
 
   def __post_init__(self):
@@ -34,5 +37,7 @@ class ServeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise UserError(f"ServeConfig.{name}: must be a positive integer, got {value!r}")
+    if not 0 <= self.batch_wait_s <= 1:
+      raise UserError(f"ServeConfig.batch_wait_s: must be in [0, 1], got {self.batch_wait_s}")
     if not 0 < self.poll_seconds <= 40:
       raise UserError(f"ServeConfig.poll_seconds: must be in (0, 40], got {self.poll_seconds}")

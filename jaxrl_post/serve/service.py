@@ -384,8 +384,21 @@ class Service:
         self._cv.wait_for(lambda: self._stop or self._has_work())
         if self._stop:
           return
+        if self._others_due():  # Lets them join this batch (the lock is released meanwhile).
+          self._cv.wait(self.cfg.batch_wait_s)
         job = self._next_job()
       job()
+
+  def _others_due(self) -> bool:
+    """Whether forward_backward requests wait while other recently active runs have none
+    queued yet: clients stepping in lockstep send theirs within moments of each other."""
+    if self._control or self.cfg.batch_wait_s <= 0:
+      return False
+    waiting = [r for r in self.runs.values() if r.ops]
+    if not waiting or any(r.ops[0].kind != "forward_backward" for r in waiting):
+      return False
+    recent = time.time() - 2.0
+    return sum(r.last_request > recent for r in self.runs.values()) > len(waiting)
 
   def _has_work(self) -> bool:
     return bool(self._control or self._samples or any(r.ops for r in self.runs.values()))
@@ -427,7 +440,8 @@ class Service:
       i = 0
       for op in ops:
         n = len(op.work[1])
-        metrics = {"loss:sum": float(np.sum(losses[i:i + n]))}
+        # How many adapters shared the program (the SDK sums or maxes metrics by suffix).
+        metrics = {"loss:sum": float(np.sum(losses[i:i + n])), "batch_adapters:max": len(ops)}
         self.futures.resolve(op.rid, wire.forward_backward_output({"logprobs": logps[i:i + n]},
                                                                   metrics))
         i += n

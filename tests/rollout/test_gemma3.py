@@ -63,6 +63,8 @@ def _check(model, prompts, out, ref):
       np.testing.assert_allclose(c.logprobs, want, atol=H.LOGPROB_TOL)
 
 
+@pytest.mark.slow(reason="the paged engine against the dense decoder and transformers' "
+                        "tokens on both fixtures, 16 tokens from six prompts each")
 @pytest.mark.parametrize("name", ["tiny_gemma3", "tiny_gemma3_softcap"])
 def test_paged_greedy_equals_dense_forward_and_transformers(name):
   model = gemma3(name)

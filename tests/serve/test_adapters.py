@@ -1,7 +1,6 @@
 """Batched multi-LoRA: one program over several adapters gives each adapter exactly what
 it would get alone, and optim_step moves only its own adapter (AdamW as optax's)."""
 
-import dataclasses
 import os
 
 import jax

@@ -1,0 +1,118 @@
+"""forward_backward throughput of `python -m jaxrl_post.serve`, driven by the tinker SDK.
+
+Starts the server, then for each adapter count A trains A adapters for --steps steps of
+(forward_backward on --datums datums of --tokens tokens, optim_step) two ways: all A
+clients at once, each from its own thread (the server batches their requests into shared
+programs), and the same A adapters one after another. Prints one JSON object: tokens/s of
+each, and the concurrent/sequential ratio. Compile time is left out: every shape runs
+once before the clock starts.
+
+  python scripts/bench_serve.py --model tests/fixtures/hf/tiny_llama --adapters 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _server(model: str, workdir: str, port: int, max_adapters: int) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.Popen([sys.executable, "-m", "jaxrl_post.serve", f"--port={port}",
+                           f"--model={model}", f"--workdir={workdir}",
+                           f"--gin_param=ServeConfig.max_adapters={max_adapters}"],
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  import httpx
+
+  for _ in range(600):
+    if proc.poll() is not None:
+      raise SystemExit("bench_serve: the server exited")
+    try:
+      if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1).status_code == 200:
+        return proc
+    except httpx.HTTPError:
+      time.sleep(0.2)
+  raise SystemExit("bench_serve: the server did not start")
+
+
+def _steps(client, data, steps: int, types) -> None:
+  for _ in range(steps):
+    fb = client.forward_backward(data, "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    fb.result()
+
+
+def _measure(clients, data, steps: int, concurrent: bool, types) -> float:
+  start = time.perf_counter()
+  if concurrent:
+    threads = [threading.Thread(target=_steps, args=(c, data, steps, types)) for c in clients]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  else:
+    for c in clients:
+      _steps(c, data, steps, types)
+  return time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="smollm2-135m-instruct")
+  p.add_argument("--adapters", default="1,2,4")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--datums", type=int, default=4)
+  p.add_argument("--tokens", type=int, default=128)
+  p.add_argument("--rank", type=int, default=16)
+  p.add_argument("--port", type=int, default=8791)
+  args = p.parse_args(argv)
+  import tinker
+  from tinker import types
+
+  counts = [int(a) for a in args.adapters.split(",")]
+  os.environ.setdefault("TINKER_API_KEY", "tml-bench")
+  os.environ["TINKER_TELEMETRY"] = "0"
+  with tempfile.TemporaryDirectory() as workdir:
+    proc = _server(args.model, workdir, args.port, max(counts))
+    try:
+      service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{args.port}")
+      clients = [service.create_lora_training_client(base_model=args.model, rank=args.rank)
+                 for _ in range(max(counts))]
+      vocab = 256  # Token ids every model has.
+      rng = np.random.default_rng(0)
+      data = [types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+                          loss_fn_inputs={"target_tokens": seq[1:].tolist(),
+                                          "weights": [1.0] * args.tokens})
+              for seq in rng.integers(0, vocab, (args.datums, args.tokens + 1))]
+      tokens_per_step = args.datums * args.tokens
+      results = {}
+      for a in counts:
+        for concurrent in (True, False):  # Warm: compile every batch shape first.
+          _measure(clients[:a], data, 3, concurrent, types)
+        row = {}
+        for concurrent in (True, False):
+          seconds = _measure(clients[:a], data, args.steps, concurrent, types)
+          row["concurrent" if concurrent else "sequential"] = round(
+              a * args.steps * tokens_per_step / seconds, 1)
+        row["ratio"] = round(row["concurrent"] / row["sequential"], 2)
+        results[str(a)] = row
+      service.close("success").result()
+    finally:
+      proc.kill()
+  print(json.dumps({"model": args.model, "rank": args.rank, "datums": args.datums,
+                    "tokens": args.tokens, "steps": args.steps,
+                    "tokens_per_s": results}))
+
+
+if __name__ == "__main__":
+  main()
