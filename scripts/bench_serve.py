@@ -75,6 +75,8 @@ def main(argv=None) -> None:
   p.add_argument("--tokens", type=int, default=128)
   p.add_argument("--rank", type=int, default=16)
   p.add_argument("--port", type=int, default=8791)
+  p.add_argument("--base_url", default=None,
+                 help="a server already running (--model must be what it serves)")
   args = p.parse_args(argv)
   import tinker
   from tinker import types
@@ -83,9 +85,9 @@ def main(argv=None) -> None:
   os.environ.setdefault("TINKER_API_KEY", "tml-bench")
   os.environ["TINKER_TELEMETRY"] = "0"
   with tempfile.TemporaryDirectory() as workdir:
-    proc = _server(args.model, workdir, args.port, max(counts))
+    proc = None if args.base_url else _server(args.model, workdir, args.port, max(counts))
     try:
-      service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{args.port}")
+      service = tinker.ServiceClient(base_url=args.base_url or f"http://127.0.0.1:{args.port}")
       clients = [service.create_lora_training_client(base_model=args.model, rank=args.rank)
                  for _ in range(max(counts))]
       vocab = 256  # Token ids every model has.
@@ -108,7 +110,8 @@ def main(argv=None) -> None:
         results[str(a)] = row
       service.close("success").result()
     finally:
-      proc.kill()
+      if proc is not None:
+        proc.kill()
   print(json.dumps({"model": args.model, "rank": args.rank, "datums": args.datums,
                     "tokens": args.tokens, "steps": args.steps,
                     "tokens_per_s": results}))

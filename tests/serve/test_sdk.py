@@ -7,6 +7,7 @@ saved state brings a new client (and a restarted server) back to the same loss; 
 requests fail at once with a message naming the field.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -180,3 +181,16 @@ def test_bad_requests_fail_at_once_with_the_field_named(service, datum, loss_fn,
     client.forward_backward([datum], loss_fn).result()
   assert time.monotonic() - start < 15
   assert _loss(client, X) > 0  # The server (and this client) serve on.
+
+
+def test_the_throughput_benchmark_reports_concurrent_and_sequential_rates(server):
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), f"--model={MODEL}",
+       f"--base_url={server.url}", "--adapters=1,2", "--steps=1", "--tokens=16", "--rank=8"],
+      capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  for a in ("1", "2"):
+    row = out["tokens_per_s"][a]
+    assert row["concurrent"] > 0 and row["sequential"] > 0
+    assert row["ratio"] == pytest.approx(row["concurrent"] / row["sequential"], rel=0.02)
