@@ -62,11 +62,11 @@ def build_service(args: argparse.Namespace):
   tokenizer_dir = os.path.join(workdir, "tokenizer")
   os.makedirs(tokenizer_dir, exist_ok=True)
   write_tokenizer(tok, tokenizer_dir)  # What the client's get_tokenizer() loads.
-  source = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+  source = os.path.realpath(args.model) if os.path.exists(args.model) else args.model
   served = Served(name=args.model, cfg=model.config, params=params_of(model),
                   tokenizer_dir=tokenizer_dir, eos_ids=tok.stop_ids,
                   encode=lambda s: tok.encode(s, add_special_tokens=False),
-                  aliases=(source, tokenizer_dir))
+                  aliases=(source, os.path.realpath(tokenizer_dir)))
   mesh = make_mesh(MeshConfig(data=jax.device_count(), fsdp=1))
   return Service(served, cfg, workdir, mesh)
 

@@ -121,7 +121,7 @@ class Service:
                                   "sampleable": True, "max_context_length": self.cfg.max_length}]}
 
   def _check_base(self, base_model: str) -> str:
-    local = os.path.abspath(base_model) if os.path.exists(base_model) else base_model
+    local = os.path.realpath(base_model) if os.path.exists(base_model) else base_model
     if local not in (self.served.name, *self.served.aliases):
       raise UserError(f"base_model: {base_model!r} is not served here (this server serves "
                       f"{self.served.name!r})")
