@@ -78,15 +78,21 @@ class AdapterBank:
     self.lora, self.grads, self.mu, self.nu = zeros, zeros, zeros, zeros
     self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
     self.free = list(range(capacity))
+    self.scratch = 0  # Slots set aside for the caller's own use (reserve).
+
+  def reserve(self) -> int:
+    """A slot no client gets (e.g. for one-off forwards with another adapter)."""
+    self.scratch += 1
+    return self.free.pop()
 
   # ---------------------------------------------------------------- slots
 
   def allocate(self, seed: int) -> int:
     """A slot holding a fresh adapter (A random, B zero: a no-op until trained)."""
     if not self.free:
-      raise UserError(f"create_model: all {self.capacity} adapter slots of rank "
-                      f"{self.cfg.lora.rank} are in use (start the server with more "
-                      "--max_adapters)")
+      raise UserError(f"create_model: all {self.capacity - self.scratch} adapter slots of rank "
+                      f"{self.cfg.lora.rank} are in use (start the server with a larger "
+                      "ServeConfig.max_adapters)")
     slot = self.free.pop(0)
     self.set_adapter(slot, fresh_adapter(self.cfg, seed), None)
     return slot

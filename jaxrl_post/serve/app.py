@@ -74,6 +74,9 @@ def build(service: Service) -> Starlette:
       return Response(result.payload, media_type=PROTO)
     return result.payload
 
+  async def finish(request: Request):
+    return service.finish(request.path_params["sid"])
+
   async def sampler(request: Request):
     return service.sampler_info(request.path_params["sid"])
 
@@ -114,7 +117,7 @@ def build(service: Service) -> Starlette:
   }
   table = [Route(f"/api/v1/{path}", _answer(fn), methods=["POST"]) for path, fn in routes.items()]
   table += [
-      Route("/api/v1/sessions/{sid}/finish", _answer(fixed({})), methods=["POST"]),
+      Route("/api/v1/sessions/{sid}/finish", _answer(finish), methods=["POST"]),
       Route("/api/v1/get_server_capabilities", _answer(fixed(service.capabilities())),
             methods=["GET"]),
       Route("/api/v1/healthz", _answer(fixed({"status": "ok"})), methods=["GET"]),

@@ -20,6 +20,8 @@ class ServeConfig:
     engine: the sampler's engine (slots, pages, decode steps).
     batch_wait_s: how long a forward_backward waits for those of other adapters whose
       clients were active in the last 2 s, to run with them as one program.
+    session_timeout_s: a session whose client sent no heartbeat (the SDK sends one every
+      10 s) for this long ends, and its adapters' slots are freed.
     poll_seconds: how long retrieve_future holds a request for a result before it answers
       try_again (the client re-polls at once; its own timeout is 45 s).
   """
@@ -30,6 +32,7 @@ class ServeConfig:
   default_max_tokens: int = 256
   engine: EngineConfig = EngineConfig(num_slots=16, decode_steps=8)
   batch_wait_s: float = 0.005
+  session_timeout_s: float = 600.0
   poll_seconds: float = 20.0
 
   def __post_init__(self):
@@ -39,5 +42,7 @@ class ServeConfig:
         raise UserError(f"ServeConfig.{name}: must be a positive integer, got {value!r}")
     if not 0 <= self.batch_wait_s <= 1:
       raise UserError(f"ServeConfig.batch_wait_s: must be in [0, 1], got {self.batch_wait_s}")
+    if not self.session_timeout_s > 0:
+      raise UserError(f"ServeConfig.session_timeout_s: must be > 0, got {self.session_timeout_s}")
     if not 0 < self.poll_seconds <= 40:
       raise UserError(f"ServeConfig.poll_seconds: must be in (0, 40], got {self.poll_seconds}")

@@ -91,6 +91,7 @@ class Service:
     self._control: list[tuple[str, Callable]] = []
     self._samples: list[tuple[str, str, R.Sample]] = []  # (request id, sampler id, request)
     self._order = itertools.count()
+    self._ended: set[str] = set()  # Finished sessions: no new adapters.
     self._rng = np.random.default_rng()
     self._stop = False
     self._worker = threading.Thread(target=self._loop, name="serve-worker", daemon=True)
@@ -115,6 +116,37 @@ class Service:
     if session is not None:
       session["heartbeat"] = time.time()
     return {"type": "session_heartbeat"}
+
+  def finish(self, sid: str) -> dict:
+    """A client closed its session: its adapters' slots and its samplers are freed (its
+    saved checkpoints stay). Requests still queued for them fail."""
+    with self._cv:
+      self.sessions.pop(sid, None)
+      self._ended.add(sid)
+      runs = [r for m, r in self.runs.items() if m.startswith(f"{sid}:train:")]
+      for run in runs:
+        del self.runs[run.model_id]
+        for op in run.ops:
+          self.futures.fail(op.rid, f"model {run.model_id}: its session has ended", "user")
+        run.ops.clear()
+      for key in [k for k in self.samplers if k.startswith(f"{sid}:")]:
+        del self.samplers[key]
+    self._control_op(lambda: self._release(runs))
+    return {}
+
+  def _release(self, runs: list["Run"]) -> dict:
+    for run in runs:
+      self.banks[run.rank].release(run.slot)
+    return {"released": len(runs)}
+
+  def _expire_sessions(self) -> None:
+    """Sessions whose client sent no heartbeat for ServeConfig.session_timeout_s end."""
+    cutoff = time.time() - self.cfg.session_timeout_s
+    with self._cv:
+      stale = [sid for sid, s in self.sessions.items() if s["heartbeat"] < cutoff]
+    for sid in stale:
+      log.info("session %s sent no heartbeat for %.0f s: ended", sid, self.cfg.session_timeout_s)
+      self.finish(sid)
 
   def capabilities(self) -> dict:
     return {"supported_models": [{"model_name": self.served.name, "trainable": True,
@@ -148,7 +180,7 @@ class Service:
       lora = self.engines.lora_config(rank)
       self.banks[rank] = AdapterBank(self.served.cfg, self.served.params, lora,
                                      self.cfg.max_adapters + 1, self.mesh)
-      self.banks[rank].free.pop()  # The last slot is scratch (prompt logprobs of samplers).
+      self.banks[rank].reserve()  # The last slot: samplers' prompt logprobs.
     return self.banks[rank]
 
   def create_model(self, body: dict) -> dict:
@@ -166,6 +198,8 @@ class Service:
     model_id = f"{session}:train:{seq}"
 
     def create():
+      if session in self._ended:
+        raise UserError(f"session_id: session {session} has ended")
       slot = self._bank(rank).allocate(seed)
       self._add_run(Run(model_id, base, rank, slot))
       return {"type": "create_model", "model_id": model_id}
@@ -264,6 +298,8 @@ class Service:
     model_id = f"{session}:train:{R.field(body, 'model_seq_id', int)}"
 
     def create():
+      if session in self._ended:
+        raise UserError(f"session_id: session {session} has ended")
       run = Run(model_id, meta["base_model"], meta["rank"], self._bank(meta["rank"]).allocate(0))
       self._add_run(run)
       return self._load_into(run, path, meta, optimizer)
@@ -382,8 +418,10 @@ class Service:
 
   def _loop(self) -> None:
     while True:
+      self._expire_sessions()
       with self._cv:
-        self._cv.wait_for(lambda: self._stop or self._has_work())
+        if not self._cv.wait_for(lambda: self._stop or self._has_work(), timeout=30):
+          continue
         if self._stop:
           return
         if self._others_due():  # Lets them join this batch (the lock is released meanwhile).

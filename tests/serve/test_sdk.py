@@ -183,6 +183,22 @@ def test_bad_requests_fail_at_once_with_the_field_named(service, datum, loss_fn,
   assert _loss(client, X) > 0  # The server (and this client) serve on.
 
 
+def test_a_finished_session_gives_its_adapter_slots_back(server):
+  """max_adapters = 4: a fifth adapter of one rank is refused while four live, and a
+  client that closes its session frees its four for the next."""
+  for _ in range(2):
+    client = tinker.ServiceClient(base_url=server.url)
+    for _ in range(4):
+      client.create_lora_training_client(base_model=MODEL, rank=2).result()
+    client.close("success").result()
+  client = tinker.ServiceClient(base_url=server.url)
+  for _ in range(4):
+    client.create_lora_training_client(base_model=MODEL, rank=2).result()
+  with pytest.raises(Exception, match="all 4 adapter slots of rank 2 are in use"):
+    client.create_lora_training_client(base_model=MODEL, rank=2).result()
+  client.close("success").result()
+
+
 def test_the_throughput_benchmark_reports_concurrent_and_sequential_rates(server):
   done = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), f"--model={MODEL}",
