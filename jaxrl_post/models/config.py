@@ -62,22 +62,32 @@ class MoeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  """Low-rank adapters W + (alpha / rank) * A @ B on the named layer matrices."""
+  """Low-rank adapters W + (alpha / rank) * A @ B on the named layer matrices.
+
+  adapters > 1: A and B hold that many independent adapters of rank / adapters each, side
+  by side on the rank axis, and each token uses only its own one (the layer's params carry
+  `lora_adapter`, every token's adapter index): how one rollout engine decodes sequences
+  of several adapters in the same batch (jaxrl_post.serve).
+  """
 
   rank: int = 8
   alpha: float = 16.0
   targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+  adapters: int = 1
 
   def __post_init__(self):
     if not isinstance(self.rank, int) or self.rank <= 0:
       raise UserError(f"lora config: rank must be a positive integer, got {self.rank!r}")
+    if not isinstance(self.adapters, int) or self.adapters < 1 or self.rank % self.adapters:
+      raise UserError(f"lora config: adapters must be a positive divisor of rank "
+                      f"{self.rank}, got {self.adapters!r}")
     unknown = sorted(set(self.targets) - set(LORA_TARGETS))
     if unknown or not self.targets:
       raise UserError(f"lora config: targets {unknown or '()'} not in {LORA_TARGETS}")
 
   @property
   def scale(self) -> float:
-    return self.alpha / self.rank
+    return self.alpha / (self.rank // self.adapters)  # each adapter's own rank
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,7 +281,11 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
       delta = jax.vmap(low_rank)(x.reshape(lead + x.shape[1:]), a, b)
       delta = delta.reshape((-1,) + delta.shape[2:])
     else:
-      delta = jnp.tensordot(jnp.tensordot(x, a, axes=n), b, axes=1)  # via [B * T, r]
+      xa = jnp.tensordot(x, a, axes=n)  # [B * T, r]
+      if cfg.lora.adapters > 1:  # Each token keeps its own adapter's rank components.
+        own = p["lora_adapter"].reshape(-1, 1)
+        xa = xa * (own == jnp.arange(a.shape[-1]) // (a.shape[-1] // cfg.lora.adapters))
+      delta = jnp.tensordot(xa, b, axes=1)
     y = y + (cfg.lora.scale * delta).astype(y.dtype)
   return y.reshape(lead + y.shape[1:])
 
@@ -421,6 +425,14 @@ def split_adapters(params: dict) -> tuple[dict, dict]:
       node = node.setdefault(key.key, {})
     node[path[-1].key] = x
   return halves
+
+
+def stack_adapters(adapters: list[dict]) -> dict:
+  """Adapters of one rank and targets (split_adapters dicts) side by side on the rank axis:
+  the LoRA params of a model whose LoraConfig holds len(adapters) of them."""
+  def stack(path, *xs):
+    return jnp.concatenate(xs, axis=-1 if str(path[-1].key).endswith("_lora_a") else 1)
+  return jax.tree_util.tree_map_with_path(stack, *adapters)
 
 
 def params_of(model: Transformer, kind=nnx.Param) -> dict:

@@ -519,7 +519,8 @@ def decode_operands(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int
                     active=vec(jnp.bool_), page_table=vec(jnp.int32, table_pages),
                     seeds=vec(jnp.uint32), sample_ids=vec(jnp.int32),
                     temperature=vec(jnp.float32), top_k=vec(jnp.int32),
-                    top_p=vec(jnp.float32), stop_ids=vec(jnp.int32, max_stop_ids))
+                    top_p=vec(jnp.float32), stop_ids=vec(jnp.int32, max_stop_ids),
+                    adapter=vec(jnp.int32))
   return params, pool, state
 
 

@@ -146,6 +146,10 @@ class Engine(SlotBook, CompileAheadMixin):
     self.allocs = [PageAllocator(num_pages, wpages) for _ in range(self.shards)]
     self._window_map = None  # The window pages' map on the devices (see _window_operand).
     if config.prefix_cache:
+      if programs.several_adapters(model_config):  # Its K/V depend on the adapter too.
+        raise UserError("EngineConfig.prefix_cache: the cache keys prompts by their tokens, "
+                        "and a model holding several adapters writes different K/V for "
+                        "each; turn it off")
       self.prefix_caches = [PrefixCache(a, self.page_size) for a in self.allocs]
     if config.num_slots is None:  # No work in sight: as many as the pool holds.
       held = self.shards * sequences_held(num_pages, self.max_pages)
@@ -285,6 +289,10 @@ class Engine(SlotBook, CompileAheadMixin):
     if len(sampling.stop_ids) > self.config.max_stop_ids:
       raise UserError(f"{len(sampling.stop_ids)} stop ids; the engine takes at most "
                       f"{self.config.max_stop_ids} (EngineConfig.max_stop_ids)")
+    held = self.model_config.lora.adapters if programs.several_adapters(self.model_config) else 1
+    if not 0 <= sampling.adapter < held:
+      raise UserError(f"sampling: adapter {sampling.adapter} is not one of this engine's "
+                      f"{held} (LoraConfig.adapters)")
     if self.max_group_size(len(prompt), sampling.max_tokens) == 0:
       raise UserError(f"a prompt of {len(prompt)} tokens with max_new_tokens="
                       f"{sampling.max_tokens} needs more KV pages than the pool's "
@@ -363,9 +371,14 @@ class Engine(SlotBook, CompileAheadMixin):
     rows, last = prefill_pack.pack(chunks, shards=self.shards, page_size=self.page_size,
                                    width=width, reuse=compiled)
     compiled.add((rows.tokens.shape[0] // self.shards, rows.key_pages.shape[1]))
+    adapters = None
+    if programs.several_adapters(self.model_config):  # Chunk order, padded like `last`.
+      adapters = np.zeros(last.shape, np.int32)
+      adapters[:len(prefixes)] = [p.sampling.adapter for p in prefixes]
+      adapters = self.layout.put_replicated(adapters)
     self.pool, logits, experts = programs.prefill(
         self.params, self.pool, self.layout.put_rows(rows), self.layout.put_replicated(last),
-        self._window_operand(), cfg=self.model_config, layout=self.layout)
+        self._window_operand(), adapters, cfg=self.model_config, layout=self.layout)
     if experts is not None:
       for prefix in prefixes:
         self._prompt_experts(prefix)

@@ -105,12 +105,14 @@ def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [
 
 
 def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write,
-                layers=None):
+                layers=None, adapters=None):
   """Runs the layers over x [B, T, D] at positions [B, T].
 
   attend_and_write(pool, layer, q, k, v) stores the new K/V and returns (attn, pool).
   `layers` None scans the model's stacked layers; a tuple of per-layer weight dicts
   (rollout.weights) unrolls them, so each matmul reads its layer's buffer in place.
+  `adapters` [B, T] int32: each token's adapter, for a model holding several
+  (LoraConfig.adapters > 1).
   Returns (x, pool, experts): experts [B, T, L, k] int32, each MoE layer's choice for
   each token (what routing replay records), or None for a dense model.
   """
@@ -120,6 +122,8 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
     x, pool = carry
     x = constrain(x, ("batch", None, "embed"))  # Rows stay on their data shard.
     p, layer = layer_in
+    if adapters is not None:
+      p = {**p, "lora_adapter": adapters}
     q, k, v = qkv_projection(cfg, x, p, positions, layer)
     attn, pool = attend_and_write(pool, layer, q, k, v)
     x, routing = post_attention(cfg, x, p, attn)
@@ -221,7 +225,7 @@ def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
 
 def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
                 shared: SharedPrefix | None = None, layout: RolloutLayout | None = None,
-                layers=None, window_map=None):
+                layers=None, window_map=None, adapters=None):
   """Feeds each row's next token at position `lengths` and returns next-token logits.
 
   Args:
@@ -239,6 +243,7 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
     layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
     window_map: [num_pages] int32 the window page of each page (a pool with a window
       pool: rollout.pages.WindowPages); None otherwise.
+    adapters: [B] int32 each row's adapter (a model with several; None otherwise).
 
   Returns:
     (logits [B, V] float32, updated pool, the fed tokens' experts [B, L, k] int32 or None
@@ -248,7 +253,8 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
   attend = _decode_attention(layout, model.config, page_table, lengths, active, shared,
                              window_map)
-  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers)
+  rows = None if adapters is None else adapters[:, None]
+  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers, rows)
   return _final_logits(model, x[:, 0]), pool, None if experts is None else experts[:, 0]
 
 
@@ -278,7 +284,8 @@ def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows, window_map=
 
 
 def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
-                   layout: RolloutLayout | None = None, layers=None, window_map=None):
+                   layout: RolloutLayout | None = None, layers=None, window_map=None,
+                   adapters=None):
   """Writes packed prompt chunks into their pages; logits after each chunk's last token.
 
   Args:
@@ -290,6 +297,7 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
     layout: where the rows and pages live (default: one device).
     layers: None (the model's stacked layers) or per-layer weights (see _run_layers).
     window_map: as in decode_step.
+    adapters: [C] int32 each chunk's adapter (a model with several; None otherwise).
 
   Returns:
     (logits [C, V] float32 after each chunk's last token, updated pool, each row token's
@@ -298,6 +306,9 @@ def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(rows.tokens)  # [B, T, D]
   attend = _prefill_attention(layout, model.config, rows, window_map)
-  x, pool, experts = _run_layers(model, pool, x, rows.positions, attend, layers)
+  per_token = None
+  if adapters is not None:  # Padding (no segment) takes chunk 0's: its outputs are unused.
+    per_token = jnp.take(adapters, jnp.maximum(rows.segments, 0), mode="clip")
+  x, pool, experts = _run_layers(model, pool, x, rows.positions, attend, layers, per_token)
   ends = jnp.take(x.reshape(-1, x.shape[-1]), last, axis=0)  # [C, D]
   return _final_logits(model, ends), pool, experts

@@ -45,6 +45,7 @@ class SlotState(NamedTuple):
   top_k: jax.Array  # [B] int32
   top_p: jax.Array  # [B] float32
   stop_ids: jax.Array  # [B, S] int32, -1 padded
+  adapter: jax.Array  # [B] int32 the adapter it decodes with (LoraConfig.adapters > 1)
 
 
 def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
@@ -55,7 +56,8 @@ def host_slots(num_slots: int, max_pages: int, max_stop_ids: int) -> SlotState:
       active=np.zeros((b,), bool), page_table=np.full((b, max_pages), TRASH_PAGE, np.int32),
       seeds=np.zeros((b,), np.uint32), sample_ids=np.zeros((b,), np.int32),
       temperature=np.zeros((b,), np.float32), top_k=np.zeros((b,), np.int32),
-      top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32))
+      top_p=np.ones((b,), np.float32), stop_ids=np.full((b, max_stop_ids), -1, np.int32),
+      adapter=np.zeros((b,), np.int32))
 
 
 def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | None,
@@ -163,9 +165,14 @@ def set_table_rows(state: SlotState, index, table) -> SlotState:
   return state._replace(page_table=state.page_table.at[index].set(table, mode="drop"))
 
 
+def several_adapters(cfg: ModelConfig) -> bool:
+  return cfg.lora is not None and cfg.lora.adapters > 1
+
+
 def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, truncation,
                   draws):
   model, layers = weights.bind(cfg, params)
+  adapters = state.adapter if several_adapters(cfg) else None
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
 
@@ -177,7 +184,8 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
     i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
     logits, pool, experts = forward.decode_step(model, pool, st.tokens, st.lengths,
                                                 st.page_table, st.active, shared, layout,
-                                                layers=layers, window_map=window_map)
+                                                layers=layers, window_map=window_map,
+                                                adapters=adapters)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
                                         truncation, draws)
@@ -201,15 +209,17 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
-def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, window_map=None, *,
-            cfg: ModelConfig, layout: RolloutLayout):
+def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, window_map=None,
+            adapters=None, *, cfg: ModelConfig, layout: RolloutLayout):
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
   each row token's experts [R, T, L, k] int16 replicated, or None for a dense model).
-  window_map as in decode_loop."""
+  window_map as in decode_loop; adapters [C] int32 each chunk's adapter (a model holding
+  several; None otherwise)."""
   with activation_rules(ROLLOUT_RULES, layout.mesh):
     model, layers = weights.bind(cfg, params)
     logits, pool, experts = forward.prefill_packed(model, pool, rows, last, layout,
-                                                   layers=layers, window_map=window_map)
+                                                   layers=layers, window_map=window_map,
+                                                   adapters=adapters)
   if experts is not None:
     experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
   return pool, logits, experts

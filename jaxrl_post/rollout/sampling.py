@@ -54,6 +54,8 @@ class SamplingParams:
     stop_ids: token ids that end a completion (finish reason "stop"); the stop token is
       returned as the completion's last token.
     seed: the seed of requests that do not carry their own.
+    adapter: which of an engine's adapters the completion is drawn with (a model whose
+      LoraConfig holds several; 0 otherwise).
   """
 
   temperature: float = 1.0
@@ -62,6 +64,7 @@ class SamplingParams:
   max_tokens: int = 16
   stop_ids: tuple[int, ...] = ()
   seed: int = 0
+  adapter: int = 0
 
   def __post_init__(self):
     check_sampling(self.temperature, self.top_k, self.top_p, self.max_tokens)

@@ -180,6 +180,7 @@ class SlotBook:
     s.page_table[slot] = seq.table_row(self.max_pages)
     s.seeds[slot], s.sample_ids[slot] = prefix.seed, prefix.sample_ids[i]
     s.temperature[slot], s.top_k[slot], s.top_p[slot] = sp.temperature, sp.top_k, sp.top_p
+    s.adapter[slot] = sp.adapter
     s.stop_ids[slot] = -1
     s.stop_ids[slot, :len(sp.stop_ids)] = sp.stop_ids
     self._final_len[slot] = p + sp.max_tokens - 1

@@ -14,6 +14,8 @@ from jaxrl_post.rollout.engine_config import EngineConfig
 class ServeConfig:
   """Attributes:
     max_adapters: LoRA adapters trained at once per rank (slots of one batched program).
+    max_samplers: adapters one sampler engine holds at once (per rank; the base model is
+      one more): the sampling sessions whose requests decode in the same batch.
     lora_alpha: adapters compute W + (lora_alpha / rank) * A @ B.
     max_length: the longest datum, or prompt + completion, a request may send.
     default_max_tokens: completion limit of samples that name none.
@@ -27,6 +29,7 @@ class ServeConfig:
   """
 
   max_adapters: int = 8
+  max_samplers: int = 4
   lora_alpha: float = 32.0
   max_length: int = 2048
   default_max_tokens: int = 256
@@ -36,7 +39,7 @@ class ServeConfig:
   poll_seconds: float = 20.0
 
   def __post_init__(self):
-    for name in ("max_adapters", "max_length", "default_max_tokens"):
+    for name in ("max_adapters", "max_samplers", "max_length", "default_max_tokens"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise UserError(f"ServeConfig.{name}: must be a positive integer, got {value!r}")

@@ -2,8 +2,11 @@
 
 A session samples the base model, an adapter snapshot taken by save_weights_for_sampler,
 or a saved sampler checkpoint (tinker:// path, read when first sampled). One rollout
-engine per LoRA rank (and one for the base) decodes with paged KV and prefix sharing;
-the requests of one session in a batch go through its scheduler together.
+engine per LoRA rank holds several adapters at once (LoraConfig.adapters: side by side on
+the rank axis, each sequence decoding with its own; its slot 0 is all zeros, the base
+model), so the queued requests of every session of that rank -- and of the base -- decode
+together, with paged KV, each request's samples sharing its prompt's pages. A session
+without a slot takes the least recently used one.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.models.config import LoraConfig, ModelConfig
+from jaxrl_post.models.transformer import init_model, params_of, split_adapters, stack_adapters
 from jaxrl_post.rollout import Completion, Engine, Scheduler
 from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.serve.adapters import ATTN, MLP
 from jaxrl_post.serve.requests import Sample
+
+BASE_RANK = 8  # The engine the base model's sessions use while no adapter engine exists.
 
 
 @dataclasses.dataclass
@@ -36,44 +43,98 @@ class Session:
   weights: Optional[Weights] = None  # None with no path: the base model
 
 
+class _RankEngine:
+  """An engine of `slots` adapters of one rank; slot 0 stays the base (zeros)."""
+
+  def __init__(self, cfg: ModelConfig, base: dict, lora: LoraConfig, slots: int,
+               engine_cfg: EngineConfig, mesh):
+    self.rank, self.base = lora.rank, base
+    self.cfg = cfg.replace(lora=dataclasses.replace(lora, rank=slots * lora.rank,
+                                                    adapters=slots))
+    zero = split_adapters(jax.eval_shape(lambda: params_of(init_model(cfg.replace(lora=lora)))))[0]
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), zero)
+    self.adapters = [zero] * slots
+    self.held: list[object] = ["base"] + [None] * (slots - 1)  # what each slot holds
+    self.used = [0] * slots  # when each slot was last sampled with (a counter)
+    self.engine = Engine(self.cfg, self._params(), engine_cfg, mesh=mesh)
+    self.version = 0
+
+  def _params(self) -> dict:
+    stacked = stack_adapters(self.adapters)
+    return {**self.base, "layers": {**self.base["layers"], **stacked["layers"]}}
+
+  def slots_for(self, weights: list[Optional[Weights]], clock: int) -> list[int]:
+    """The slot of each (distinct) weights, writing those not held yet into the least
+    recently used others; the engine gets its new weights once."""
+    keys = ["base" if w is None else id(w) for w in weights]
+    wanted = set(keys)
+    out, changed = [], False
+    for key, w in zip(keys, weights):
+      if key not in self.held:
+        free = [k for k in range(1, len(self.held)) if self.held[k] not in wanted]
+        k = min(free, key=lambda k: self.used[k])
+        self.held[k], self.adapters[k], changed = key, w.adapter, True
+      k = self.held.index(key)
+      self.used[k] = clock
+      out.append(k)
+    if changed:
+      self.version += 1
+      self.engine.set_weights(self._params(), self.version)
+    return out
+
+
 class Engines:
-  """The engines, and which session's weights each holds."""
+  """The engines by rank, and the batches their requests decode in."""
 
   def __init__(self, cfg: ModelConfig, base: dict, engine_cfg: EngineConfig, lora_alpha: float,
-               mesh=None):
+               slots: int, mesh=None):
     self.cfg, self.base, self.engine_cfg, self.alpha, self.mesh = (cfg, base, engine_cfg,
                                                                    lora_alpha, mesh)
-    self._engines: dict[Optional[int], Engine] = {}
-    self._holds: dict[Optional[int], int] = {}  # rank -> id() of the Weights it holds
-    self._version = 0
+    self.slots = slots
+    self._engines: dict[int, _RankEngine] = {}
+    self._clock = 0
 
   def lora_config(self, rank: int) -> LoraConfig:
     return LoraConfig(rank=rank, alpha=self.alpha, targets=ATTN + MLP)
 
-  def _params(self, weights: Optional[Weights]) -> dict:
-    if weights is None:
-      return self.base
-    return {**self.base, "layers": {**self.base["layers"], **weights.adapter["layers"]}}
+  def rank_of(self, weights: Optional[Weights]) -> int:
+    if weights is not None:
+      return weights.rank
+    return min(self._engines) if self._engines else BASE_RANK
 
-  def engine(self, weights: Optional[Weights]) -> Engine:
-    """An engine holding `weights` (set now unless it already held them)."""
-    rank = None if weights is None else weights.rank
-    tag = id(weights) if weights is not None else 0
+  def _engine(self, rank: int) -> _RankEngine:
     if rank not in self._engines:
-      cfg = self.cfg if rank is None else self.cfg.replace(lora=self.lora_config(rank))
-      self._engines[rank] = Engine(cfg, self._params(weights), self.engine_cfg, mesh=self.mesh)
-    elif self._holds.get(rank) != tag:
-      self._version += 1
-      self._engines[rank].set_weights(self._params(weights), self._version)
-    self._holds[rank] = tag
+      self._engines[rank] = _RankEngine(self.cfg, self.base, self.lora_config(rank),
+                                        self.slots, self.engine_cfg, self.mesh)
     return self._engines[rank]
 
-  def sample(self, weights: Optional[Weights], jobs: list[tuple[Sample, int]]
-             ) -> list[list[Completion]]:
-    """Each (request, seed)'s completions, all of them decoded together."""
-    sched = Scheduler(self.engine(weights))
-    ids = [sched.submit(req.prompt, req.sampling, n=req.num_samples, seed=seed)
-           for req, seed in jobs]
+  def batches(self, jobs: list[tuple]):
+    """The jobs ((weights, request, seed, ...) tuples) in runs of one rank with at most
+    `slots` - 1 distinct adapters each (and any number of the base's)."""
+    by_rank: dict[int, list] = {}
+    for job in jobs:
+      by_rank.setdefault(self.rank_of(job[0]), []).append(job)
+    for rank, group in by_rank.items():
+      part, seen = [], set()  # The adapters in `part` (the base has a slot of its own).
+      for job in group:
+        key = None if job[0] is None else id(job[0])
+        if key is not None and key not in seen and len(seen) == self.slots - 1:
+          yield rank, part
+          part, seen = [], set()
+        if key is not None:
+          seen.add(key)
+        part.append(job)
+      yield rank, part
+
+  def sample(self, rank: int, jobs: list[tuple]) -> list[list[Completion]]:
+    """Each job's completions, all of them decoded together in the rank's engine."""
+    self._clock += 1
+    held = self._engine(rank)
+    slots = held.slots_for([job[0] for job in jobs], self._clock)
+    sched = Scheduler(held.engine)
+    ids = [sched.submit(req.prompt, dataclasses.replace(req.sampling, adapter=k),
+                        n=req.num_samples, seed=seed)
+           for (_, req, seed, *_), k in zip(jobs, slots)]
     results = sched.run()
     return [results[i] for i in ids]
 

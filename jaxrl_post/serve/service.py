@@ -86,7 +86,8 @@ class Service:
     self.runs: dict[str, Run] = {}
     self.sessions: dict[str, dict] = {}
     self.samplers: dict[str, Session] = {}
-    self.engines = Engines(served.cfg, served.params, cfg.engine, cfg.lora_alpha, mesh)
+    self.engines = Engines(served.cfg, served.params, cfg.engine, cfg.lora_alpha,
+                           cfg.max_samplers + 1, mesh)
     self._cv = threading.Condition()
     self._control: list[tuple[str, Callable]] = []
     self._samples: list[tuple[str, str, R.Sample]] = []  # (request id, sampler id, request)
@@ -359,14 +360,16 @@ class Service:
     return session.weights
 
   def _run_samples(self, jobs: list[tuple[str, str, R.Sample]]) -> None:
-    by_session: dict[str, list] = {}
-    for job in jobs:
-      by_session.setdefault(job[1], []).append(job)
-    for sid, group in by_session.items():
-      weights = self._weights(self.samplers[sid])
-      reqs = [req for _, _, req in group]
-      outs = self.engines.sample(weights, list(zip(reqs, seeds(self._rng, reqs))))
-      for (rid, _, req), completions in zip(group, outs):
+    ready = []
+    for rid, sid, req in jobs:
+      try:  # A checkpoint that cannot be read fails its own requests only.
+        ready.append((self._weights(self.samplers[sid]), req, rid))
+      except UserError as e:
+        self.futures.fail(rid, str(e).splitlines()[0])
+    seeded = [(w, req, seed, rid) for (w, req, rid), seed
+              in zip(ready, seeds(self._rng, [req for _, req, _ in ready]))]
+    for rank, part in self.engines.batches(seeded):
+      for (weights, req, _, rid), completions in zip(part, self.engines.sample(rank, part)):
         prompt_lp = self._prompt_logprobs(weights, req.prompt) if req.prompt_logprobs else None
         seqs = [wire.Sequence(list(c.tokens), list(c.logprobs), c.finish_reason == "stop")
                 for c in completions]

@@ -119,14 +119,20 @@ def test_two_adapters_train_concurrently_in_shared_programs_and_stay_apart(train
   assert ax < min(ay, bx) - 4 and by < min(ay, bx) - 4, (ax, ay, bx, by)
 
 
-def test_each_adapters_samples_carry_the_logprobs_of_a_forward_pass(trained):
+def test_each_adapters_samples_carry_the_logprobs_of_a_forward_pass(trained, service):
+  """Samplers of both adapters and of the base, their requests all queued before any is
+  awaited (they decode in one engine, each sequence with its own adapter)."""
   a, b, _ = trained
-  for client, seq in ((a, X), (b, Y)):
-    sampler = client.save_weights_and_get_sampling_client()
-    prompt = seq[:4]
-    out = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=3,
-                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)
-                         ).result()
+  fresh = service.create_lora_training_client(base_model=MODEL, rank=8)  # B = 0: the base
+  samplers = [(a, a.save_weights_and_get_sampling_client(), X),
+              (b, b.save_weights_and_get_sampling_client(), Y),
+              (fresh, service.create_sampling_client(base_model=MODEL), X)]
+  params = types.SamplingParams(max_tokens=6, temperature=1.0)
+  futures = [(client, seq[:4], sampler.sample(prompt=types.ModelInput.from_ints(seq[:4]),
+                                                num_samples=3, sampling_params=params))
+             for client, sampler, seq in samplers]
+  for client, prompt, future in futures:
+    out = future.result()
     assert len(out.sequences) == 3
     for s in out.sequences:
       full = prompt + list(s.tokens)
