@@ -73,9 +73,9 @@ class AdapterBank:
     self._rows = None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names)))
     place = (lambda t: t) if mesh is None else (lambda t: jax.device_put(t, replicated))
     self.base = place(base)
-    zeros = place(_stack(shapes, capacity))
-    # Adapter weights, their accumulated gradients and Adam moments: [L, S, ...] each.
-    self.lora, self.grads, self.mu, self.nu = zeros, zeros, zeros, zeros
+    # Adapter weights, their accumulated gradients and Adam moments: [L, S, ...] each, four
+    # buffers of their own (optim_step donates all four).
+    self.lora, self.grads, self.mu, self.nu = (place(_stack(shapes, capacity)) for _ in range(4))
     self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
     self.free = list(range(capacity))
     self.scratch = 0  # Slots set aside for the caller's own use (reserve).
@@ -118,11 +118,6 @@ class AdapterBank:
     self.mu = put(self.mu, zeros if optimizer is None else optimizer["mu"])
     self.nu = put(self.nu, zeros if optimizer is None else optimizer["nu"])
     self.steps[slot] = 0 if optimizer is None else int(optimizer["steps"])
-
-  def merged(self, slot: int) -> dict:
-    """Base + the slot's adapter: the full params of a LoRA model (for the sampler)."""
-    adapter = self.adapter(slot)
-    return {**self.base, "layers": {**self.base["layers"], **adapter["layers"]}}
 
   # ---------------------------------------------------------------- forward / backward
 

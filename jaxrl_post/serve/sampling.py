@@ -54,7 +54,9 @@ class _RankEngine:
     zero = split_adapters(jax.eval_shape(lambda: params_of(init_model(cfg.replace(lora=lora)))))[0]
     zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), zero)
     self.adapters = [zero] * slots
-    self.held: list[object] = ["base"] + [None] * (slots - 1)  # what each slot holds
+    # What each slot holds: the Weights object itself (kept alive, so no other can take its
+    # identity), None for an empty slot; slot 0 is the base's.
+    self.held: list[Optional[Weights]] = [None] * slots
     self.used = [0] * slots  # when each slot was last sampled with (a counter)
     self.engine = Engine(self.cfg, self._params(), engine_cfg, mesh=mesh)
     self.version = 0
@@ -66,15 +68,16 @@ class _RankEngine:
   def slots_for(self, weights: list[Optional[Weights]], clock: int) -> list[int]:
     """The slot of each (distinct) weights, writing those not held yet into the least
     recently used others; the engine gets its new weights once."""
-    keys = ["base" if w is None else id(w) for w in weights]
-    wanted = set(keys)
+    wanted = {id(w) for w in weights if w is not None}  # All alive during this call.
     out, changed = [], False
-    for key, w in zip(keys, weights):
-      if key not in self.held:
-        free = [k for k in range(1, len(self.held)) if self.held[k] not in wanted]
+    for w in weights:
+      k = 0 if w is None else next((k for k in range(1, len(self.held))
+                                    if self.held[k] is w), None)
+      if k is None:
+        free = [k for k in range(1, len(self.held))
+                if self.held[k] is None or id(self.held[k]) not in wanted]
         k = min(free, key=lambda k: self.used[k])
-        self.held[k], self.adapters[k], changed = key, w.adapter, True
-      k = self.held.index(key)
+        self.held[k], self.adapters[k], changed = w, w.adapter, True
       self.used[k] = clock
       out.append(k)
     if changed:

@@ -324,7 +324,8 @@ class Service:
       session = Session(meta["base_model"], path, None)
     else:
       session = Session(self._check_base(R.field(body, "base_model", str)))
-    sid = f"sampler-{uuid.uuid4().hex[:12]}"
+    # Named under its session, so the session's end frees it.
+    sid = f"{R.field(body, 'session_id', str, 'none')}:sample:{uuid.uuid4().hex[:12]}"
     with self._cv:
       self.samplers[sid] = session
     return {"type": "create_sampling_session", "sampling_session_id": sid}
