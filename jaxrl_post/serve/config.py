@@ -1,4 +1,4 @@
-"""The service's settings: gin-bindable as ServeConfig.* (e.g. --gin_param=ServeConfig.max_adapters=16)."""
+"""The service's settings, gin-bindable as ServeConfig.* (--gin_param=ServeConfig.max_adapters=16)."""
 
 from __future__ import annotations
 

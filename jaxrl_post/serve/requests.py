@@ -71,7 +71,8 @@ def _check_ids(where: str, ids: np.ndarray, vocab: int) -> None:
 
 def adam(body: dict) -> AdamParams:
   if body.get("optimizer_params") is not None:
-    kind = body["optimizer_params"].get("type") if isinstance(body["optimizer_params"], dict) else None
+    given = body["optimizer_params"]
+    kind = given.get("type") if isinstance(given, dict) else None
     raise UserError(f"optimizer_params: {kind!r} is not supported; send adam_params (AdamW)")
   params = field(body, "adam_params", dict, {})
   known = {f.name for f in dataclasses.fields(AdamParams)}

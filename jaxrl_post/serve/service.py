@@ -351,7 +351,8 @@ class Service:
     with self._cv:
       self._samples.append((rid, sid, req))
       self._cv.notify_all()
-    return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(req.num_samples)]}
+    ids = [f"{rid}:{i}" for i in range(req.num_samples)]  # The SDK requires one per sample.
+    return {"request_id": rid, "sample_sequence_ids": ids}
 
   def _weights(self, session: Session) -> Optional[Weights]:
     if session.weights is None and session.model_path is not None:  # Read once, when used.

@@ -38,7 +38,8 @@ def _rows(slot, seed, lengths, vocab):
   for n in lengths:
     seq = rng.integers(0, vocab, n + 1).astype(np.int32)
     out.append(Row(slot, seq[:-1], {"target_tokens": seq[1:], "weights": rng.random(n),
-                                    "logprobs": -rng.random(n) * 3, "advantages": rng.normal(size=n)}))
+                                    "logprobs": -rng.random(n) * 3,
+                                    "advantages": rng.normal(size=n)}))
   return out
 
 
@@ -53,7 +54,8 @@ def _alone(cfg, base, adapter, rows, loss_fn):
     out, lps = 0.0, []
     for r in rows:
       h = m(jnp.asarray(r.tokens)[None], jnp.arange(len(r.tokens))[None])
-      lp = jax.nn.log_softmax(m.logits(h)[0], -1)[jnp.arange(len(r.tokens)), r.inputs["target_tokens"]]
+      logp = jax.nn.log_softmax(m.logits(h)[0], -1)
+      lp = logp[jnp.arange(len(r.tokens)), r.inputs["target_tokens"]]
       inputs = {k: jnp.asarray(r.inputs[k], jnp.float32)[None] for k in loss.inputs}
       out = out + jnp.sum(loss.fn(lp[None], inputs, jnp.ones((1, len(r.tokens))), config))
       lps.append(lp)
@@ -119,7 +121,8 @@ def _numpy_loss(name, lp, q, adv, w, cfg):
                                          ("dro", {"beta": 0.05})])
 def test_each_loss_is_its_documented_formula(name, config):
   rng = np.random.default_rng(3)
-  lp, q, adv, w = -rng.random((2, 6)), -rng.random((2, 6)), rng.normal(size=(2, 6)), rng.random((2, 6))
+  lp, q = -rng.random((2, 6)), -rng.random((2, 6))
+  adv, w = rng.normal(size=(2, 6)), rng.random((2, 6))
   loss, full = losses.resolve(name, config)
   inputs = {"logprobs": q, "advantages": adv, "weights": w}
   got = loss.fn(jnp.asarray(lp), {k: jnp.asarray(v) for k, v in inputs.items()},

@@ -114,8 +114,9 @@ def test_two_adapters_train_concurrently_in_shared_programs_and_stay_apart(train
   assert max(shared) == 2  # Some steps ran both adapters as one program.
   ax, ay, bx, by = _loss(a, X), _loss(a, Y), _loss(b, X), _loss(b, Y)
   # Each learned its own sequence (from about 11 x log(320) = 63), not the other's.
-  # (Measured with these seeds: 57.8, 63.6, 63.3, 56.7. LoRA on a random tiny model learns slowly: each
-  # path through an adapted block is a product of two adapters that start at zero.)
+  # (Measured with these seeds: 57.8, 63.6, 63.3, 56.7. LoRA on a random tiny model learns
+  # slowly: each path through an adapted block is a product of two adapters that start at
+  # zero.)
   assert ax < min(ay, bx) - 4 and by < min(ay, bx) - 4, (ax, ay, bx, by)
 
 
