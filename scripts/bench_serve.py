@@ -32,17 +32,12 @@ def _server(model: str, workdir: str, port: int, max_adapters: int) -> subproces
                            f"--model={model}", f"--workdir={workdir}",
                            f"--gin_param=ServeConfig.max_adapters={max_adapters}"],
                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  import httpx
+  from jaxrl_post.serve.app import wait_until_serving
 
-  for _ in range(600):
-    if proc.poll() is not None:
-      raise SystemExit("bench_serve: the server exited")
-    try:
-      if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=1).status_code == 200:
-        return proc
-    except httpx.HTTPError:
-      time.sleep(0.2)
-  raise SystemExit("bench_serve: the server did not start")
+  if wait_until_serving(f"http://127.0.0.1:{port}", lambda: proc.poll() is None, 600):
+    return proc
+  raise SystemExit("bench_serve: the server " + ("exited" if proc.poll() is not None
+                                                 else "did not start"))
 
 
 def _steps(client, data, steps: int, types) -> None:

@@ -24,8 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_post.errors import UserError
 from jaxrl_post.kernels import ChunkedLogprobConfig
 from jaxrl_post.models.config import LoraConfig, ModelConfig
-from jaxrl_post.models.transformer import (abstract_model, init_model, params_of,
-                                           split_adapters, with_params)
+from jaxrl_post.models.transformer import abstract_model, lora_param_shapes, with_params
 from jaxrl_post.rl.forward import head_logprobs
 from jaxrl_post.rl.packing import bucket
 from jaxrl_post.serve import losses
@@ -54,6 +53,12 @@ class AdamParams:
   grad_clip_norm: float = 0.0
 
 
+def adapter_shapes(cfg: ModelConfig) -> dict:
+  """The adapter of a LoRA model config as float32 shapes, {"layers": {name: [L, ...]}}."""
+  return {"layers": {name: jax.ShapeDtypeStruct((cfg.num_layers, *shape), jnp.float32)
+                     for name, (shape, _) in lora_param_shapes(cfg).items()}}
+
+
 def _stack(tree, slots: int):  # [L, ...] leaves -> [L, S, ...] zeros
   return jax.tree.map(lambda x: jnp.zeros((x.shape[0], slots, *x.shape[1:]), jnp.float32), tree)
 
@@ -66,16 +71,16 @@ class AdapterBank:
     self.cfg = cfg.replace(lora=lora)
     self.capacity = capacity
     self.mesh = mesh
-    rows = 1 if mesh is None else mesh.size
-    self.row_multiple = rows
-    shapes = split_adapters(jax.eval_shape(lambda: params_of(init_model(self.cfg))))[0]
+    self.row_multiple = 1 if mesh is None else mesh.size
+    self.shapes = adapter_shapes(self.cfg)
     replicated = None if mesh is None else NamedSharding(mesh, P())
     self._rows = None if mesh is None else NamedSharding(mesh, P(tuple(mesh.axis_names)))
     place = (lambda t: t) if mesh is None else (lambda t: jax.device_put(t, replicated))
     self.base = place(base)
     # Adapter weights, their accumulated gradients and Adam moments: [L, S, ...] each, four
     # buffers of their own (optim_step donates all four).
-    self.lora, self.grads, self.mu, self.nu = (place(_stack(shapes, capacity)) for _ in range(4))
+    self.lora, self.grads, self.mu, self.nu = (place(_stack(self.shapes, capacity))
+                                               for _ in range(4))
     self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
     self.free = list(range(capacity))
     self.scratch = 0  # Slots set aside for the caller's own use (reserve).
@@ -94,7 +99,7 @@ class AdapterBank:
                       f"{self.cfg.lora.rank} are in use (start the server with a larger "
                       "ServeConfig.max_adapters)")
     slot = self.free.pop(0)
-    self.set_adapter(slot, fresh_adapter(self.cfg, seed), None)
+    self.set_adapter(slot, fresh_adapter(self.shapes, seed), None)
     return slot
 
   def release(self, slot: int) -> None:
@@ -164,10 +169,10 @@ class AdapterBank:
     return {"grad_norm": float(norm)}
 
 
-def fresh_adapter(cfg: ModelConfig, seed: int) -> dict:
-  """A new adapter: A ~ N(0, 1 / fan_in), as PEFT's Kaiming init scales it, so the first
-  steps' gradients on B are not scaled down by a tiny A; B = 0, so it starts as a no-op."""
-  shapes = split_adapters(jax.eval_shape(lambda: params_of(init_model(cfg))))[0]
+def fresh_adapter(shapes: dict, seed: int) -> dict:
+  """A new adapter of `shapes` (adapter_shapes): A ~ N(0, 1 / fan_in), as PEFT's Kaiming
+  init scales it, so the first steps' gradients on B are not scaled down by a tiny A;
+  B = 0, so it starts as a no-op."""
   keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(shapes))))
 
   def init(path, x):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import urllib.request
 from typing import Awaitable, Callable
 
 import anyio
@@ -127,3 +129,18 @@ def build(service: Service) -> Starlette:
       Route("/api/v1/training_runs/{rid}/checkpoints", _answer(checkpoints), methods=["GET"]),
   ]
   return Starlette(routes=table)
+
+
+def wait_until_serving(url: str, alive: Callable[[], bool], timeout_s: float) -> bool:
+  """Polls `url`'s health route: True once it answers, False when the server process is no
+  longer `alive()` or `timeout_s` runs out (for a caller that started it)."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline and alive():
+    try:
+      with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=1) as answer:
+        if answer.status == 200:
+          return True
+    except OSError:  # Not listening yet (URLError and timeouts are OSErrors).
+      pass
+    time.sleep(0.2)
+  return False

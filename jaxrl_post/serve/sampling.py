@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.models.config import LoraConfig, ModelConfig
-from jaxrl_post.models.transformer import init_model, params_of, split_adapters, stack_adapters
+from jaxrl_post.models.transformer import stack_adapters
 from jaxrl_post.rollout import Completion, Engine, Scheduler
 from jaxrl_post.rollout.engine_config import EngineConfig
-from jaxrl_post.serve.adapters import ATTN, MLP
+from jaxrl_post.serve.adapters import ATTN, MLP, adapter_shapes
 from jaxrl_post.serve.requests import Sample
 
 BASE_RANK = 8  # The engine the base model's sessions use while no adapter engine exists.
@@ -48,11 +48,11 @@ class _RankEngine:
 
   def __init__(self, cfg: ModelConfig, base: dict, lora: LoraConfig, slots: int,
                engine_cfg: EngineConfig, mesh):
-    self.rank, self.base = lora.rank, base
+    self.base = base
     self.cfg = cfg.replace(lora=dataclasses.replace(lora, rank=slots * lora.rank,
                                                     adapters=slots))
-    zero = split_adapters(jax.eval_shape(lambda: params_of(init_model(cfg.replace(lora=lora)))))[0]
-    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), zero)
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                        adapter_shapes(cfg.replace(lora=lora)))
     self.adapters = [zero] * slots
     # What each slot holds: the Weights object itself (kept alive, so no other can take its
     # identity), None for an empty slot; slot 0 is the base's.

@@ -167,12 +167,15 @@ class Service:
             "model_data": {"model_name": self.served.name,
                            "tokenizer_id": self.served.tokenizer_dir}}
 
-  def _run(self, model_id: str) -> Run:
+  def _lookup(self, table: dict, key: str, field: str, what: str):
     with self._cv:
-      run = self.runs.get(model_id)
-    if run is None:
-      raise NotFound(f"model_id: {model_id!r} is not a training run of this server")
-    return run
+      found = table.get(key)
+    if found is None:
+      raise NotFound(f"{field}: {key!r} is not {what} of this server")
+    return found
+
+  def _run(self, model_id: str) -> Run:
+    return self._lookup(self.runs, model_id, "model_id", "a training run")
 
   # ---------------------------------------------------------------- training runs
 
@@ -331,11 +334,7 @@ class Service:
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
   def sampler(self, sid: str) -> Session:
-    with self._cv:
-      session = self.samplers.get(sid)
-    if session is None:
-      raise NotFound(f"sampling_session_id: {sid!r} is not a sampling session of this server")
-    return session
+    return self._lookup(self.samplers, sid, "sampling_session_id", "a sampling session")
 
   def sampler_info(self, sid: str) -> dict:
     s = self.sampler(sid)

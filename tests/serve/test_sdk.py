@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl_post.serve.app import wait_until_serving
 from tests.rollout.helpers import LOGPROB_TOL
 from tests.sharding.test_multiprocess import free_port
 from tests.xla import host_flags
@@ -41,15 +42,9 @@ class Server:
         [sys.executable, "-m", "jaxrl_post.serve", f"--port={self.port}", f"--model={MODEL}",
          f"--workdir={self.workdir}", "--gin_param=ServeConfig.max_adapters=4",
          "--gin_param=ServeConfig.poll_seconds=5"], env=env, stdout=self.log, stderr=self.log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-      assert self.proc.poll() is None, open(os.path.join(self.workdir, "server.log")).read()[-3000:]
-      try:
-        import httpx
-        if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
-          return self
-      except httpx.HTTPError:
-        time.sleep(0.2)
+    if wait_until_serving(self.url, lambda: self.proc.poll() is None, 120):
+      return self
+    assert self.proc.poll() is None, open(os.path.join(self.workdir, "server.log")).read()[-3000:]
     raise AssertionError("the server did not start")
 
   @property
