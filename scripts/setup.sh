@@ -44,12 +44,15 @@ fail() {  # The log's tail says why.
 pip_install() {  # Quiet unless it fails.
   .venv/bin/python -m pip install "$@" >>"$log" 2>&1 || fail "pip install $*"
 }
-# uv installs the same pins in seconds where pip takes a minute (it fetches and unpacks in
-# parallel); pip, which reads this machine's pip configuration (indexes, wheel folders,
-# constraints), is the fallback where uv cannot reach what it needs.
+# uv installs the same pins in seconds where pip takes a minute (it fetches, unpacks and
+# byte-compiles in parallel; byte-compiled at install, since with PYTHONDONTWRITEBYTECODE
+# set no process would cache what it compiles and each would parse jax from source). pip,
+# which reads this machine's pip configuration (indexes, wheel folders, constraints), is
+# the fallback where uv cannot reach what it needs.
 fast_install() {
   if .venv/bin/python -m uv --version >/dev/null 2>&1 &&
-      .venv/bin/python -m uv pip install --python .venv/bin/python "$@" >>"$log" 2>&1; then
+      .venv/bin/python -m uv pip install --compile-bytecode --python .venv/bin/python "$@" \
+        >>"$log" 2>&1; then
     return
   fi
   pip_install "$@"
