@@ -104,8 +104,11 @@ BASELINE = pytest.mark.xdist_group("devices-baseline")
 
 
 @BASELINE
-@pytest.mark.slow(reason="the training command on 1 and on 8 devices")
-@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.sweep), 8])
+@pytest.mark.slow
+# The verifier test below runs the default placement on 8 devices (two processes of 4)
+# against one device, and the GPU config's test runs one process of 8.
+@pytest.mark.sweep
+@pytest.mark.parametrize("devices", [2, 8])
 def test_default_placement_gives_the_one_device_run_on(devices, baseline):
   runs = {n: baseline(n) for n in (1, devices)}
   for n, records in runs.items():

@@ -12,7 +12,7 @@ from jaxrl_post.rl.trainer import (SequenceScores, Trainer, TrainerConfig, pack_
                                    pack_rollouts)
 from tests.rl.toy_task import CFG
 
-MAX_LEN = 64  # completion lengths 1..64 over the run
+MAX_LEN = 32  # completion lengths 1..32 over the run
 
 
 @pytest.mark.parametrize("n,multiple,want", [(1, 1, 1), (3, 1, 4), (4, 1, 4), (5, 8, 8),
@@ -50,7 +50,7 @@ def test_varying_completion_lengths_compile_a_bounded_set_of_steps():
   rng = np.random.default_rng(0)
   shapes = []
   for i in range(20):
-    trajs = run_lengths(1 + i * (MAX_LEN - 1) // 19)  # the longest grows 1 -> 64 tokens
+    trajs = run_lengths(1 + i * (MAX_LEN - 1) // 19)  # the longest grows 1 -> 32 tokens
     behaviour = [rng.normal(-2.0, 0.1, len(t.completion)).tolist() for t in trajs]
     adv = rng.normal(size=len(trajs)).astype(np.float32)
     batches = pack_rollouts(trainer, trajs, behaviour)
