@@ -22,7 +22,9 @@ write. Unbounded, an entry is written in place with no lock, so another process 
 second thread, as in the asynchronous driver) may read it half-written and hand XLA a
 truncated executable to deserialise. Deleting the directory is always safe.
 
-CPU programs over several devices are neither stored nor loaded (`keep_collectives_ordered`).
+CPU programs over several devices are neither stored nor loaded (`keep_collectives_ordered`),
+and a store scans the directory for entries to evict only once it is full
+(`evict_only_when_full`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def enable(flag: Optional[str] = None) -> Optional[str]:
     path = None
   if path is not None:
     keep_collectives_ordered()
+    evict_only_when_full()
   jax.config.update("jax_enable_compilation_cache", path is not None)
   if path is not None:
     jax.config.update("jax_compilation_cache_dir", path)
@@ -122,6 +125,35 @@ def keep_collectives_ordered() -> None:
 
   get_ordered._keeps_order = True
   cache.get_executable_and_time, cache.put_executable_and_time = get_ordered, put_ordered
+
+
+def evict_only_when_full() -> None:
+  """Makes a store into the bounded cache look for entries to evict only when the directory
+  is full. jax's eviction pass reads every entry's size and access-time file on every
+  store, holding the directory's lock: O(entries) file reads per program stored, which
+  with a few thousand entries (the test suite's, or a long-lived service's) keeps every
+  other process waiting on the lock. Summing the entries' sizes from one directory listing
+  costs a small part of that, and the full pass (least recently used first) still runs
+  whenever the new entry would take the directory past its bound. Remote directories keep
+  jax's pass. jax is pinned, and tests/test_compile_cache.py fails if it moves."""
+  from jax._src import lru_cache
+
+  cls = lru_cache.LRUCache
+  full_pass = cls._evict_if_needed
+  if getattr(full_pass, "_when_full", False):
+    return
+  suffix = lru_cache._CACHE_SUFFIX
+
+  def evict_if_needed(self, *, additional_size: int = 0) -> None:
+    if self.eviction_enabled and self._is_local:
+      with os.scandir(str(self.path)) as entries:
+        size = sum(e.stat().st_size for e in entries if e.name.endswith(suffix))
+      if size + additional_size <= self.max_size:
+        return
+    full_pass(self, additional_size=additional_size)
+
+  evict_if_needed._when_full = True
+  cls._evict_if_needed = evict_if_needed
 
 
 def _usable(path: str) -> bool:

@@ -29,6 +29,7 @@ import pytest  # noqa: E402
 from jaxrl_post import compile_cache  # noqa: E402
 
 compile_cache.keep_collectives_ordered()  # These processes cache their own programs too.
+compile_cache.evict_only_when_full()
 
 from tests import suite_health  # noqa: E402
 

@@ -91,6 +91,28 @@ def test_cpu_programs_over_several_devices_are_neither_stored_nor_loaded(clean_e
   assert len([f for f in os.listdir(tmp_path) if f.endswith("-cache")]) == 1
 
 
+def test_a_store_evicts_only_when_full_and_then_the_least_recently_used(tmp_path, monkeypatch):
+  """jax's eviction pass (every entry onto a heap by access time) runs only for a store
+  that would take the directory past its bound, and then evicts as jax does."""
+  from jax._src import lru_cache
+
+  compile_cache.evict_only_when_full()
+  cache = lru_cache.LRUCache(str(tmp_path), max_size=3000)
+  for key in ("a", "b"):
+    cache.put(key, b"x" * 1000)
+  assert cache.get("a") == b"x" * 1000  # "b" is now the least recently used.
+  pushed = []  # The entries jax's pass looked at.
+  push = lru_cache.heapq.heappush
+  monkeypatch.setattr(lru_cache.heapq, "heappush",
+                      lambda heap, item: (pushed.append(item[1]), push(heap, item)))
+  cache.put("c", b"x" * 1000)  # Fits: no pass over the entries.
+  assert pushed == []
+  cache.put("d", b"x" * 1000)  # Past the bound: jax's pass evicts "b".
+  assert sorted(pushed) == ["a", "b", "c"]
+  names = {f.removesuffix("-cache") for f in os.listdir(tmp_path) if f.endswith("-cache")}
+  assert names == {"a", "c", "d"}
+
+
 def test_a_program_loaded_from_the_cache_is_not_counted_as_compiled(
     clean_env, tmp_path):
   compile_cache.enable(str(tmp_path))
