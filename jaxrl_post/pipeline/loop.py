@@ -175,6 +175,9 @@ class RLRun:
     self.rollout = dataclasses.replace(rollout, version=meta_version)
     self.engine = Engine(self.model_cfg, self.rollout.params, self._engine_config(),
                          version=self.rollout.version, mesh=self.meshes.rollout)
+    if self.engine.cascade_refused:
+      self.log(f"rollout: no cascade attention: {self.engine.cascade_refused}; each sample "
+               "reads its prompt's pages itself")
 
   def _engine_config(self) -> EngineConfig:
     """The engine's shapes, with the pool sized after the train step where it must be.

@@ -17,11 +17,11 @@ shared whole prompt pages are read once per block per step instead of once per s
 Callers then insert a prompt's samples only into blocks that are free or already hold that
 prompt; the Scheduler does so. Models with sliding-window layers (Mistral, Gemma 3) keep
 the block placement but decode with plain paged attention, which is the only one with a
-window (forward.cascade_refusal says why for a given model). When every layer has a
-window (Mistral) a decoding sequence gives back the pages behind it. A model with both
-sliding and global layers (Gemma 3) keeps its sliding layers' K/V in a window pool of
-their own (rollout.pages.WindowPages): there a decoding sequence gives back the window
-pages behind its window, and its global layers keep every page.
+window (`cascade_refused` holds forward.cascade_refusal's reason, and a run prints it).
+When every layer has a window (Mistral) a decoding sequence gives back the pages behind
+it. A model with both sliding and global layers (Gemma 3) keeps its sliding layers' K/V in
+a window pool of their own (rollout.pages.WindowPages): there a decoding sequence gives
+back the window pages behind its window, and its global layers keep every page.
 
 Weights come from outside (`set_weights(params, version)`), so a trainer can swap them
 between calls; every token is stamped with the version that produced it. The high-level
@@ -161,8 +161,10 @@ class Engine(SlotBook, Prefilling, CompileAheadMixin):
     blocks = self.num_slots // config.group_slots if config.group_slots else 0
     self._block_table = np.full((blocks, self.max_pages), TRASH_PAGE, np.int32)
     self._block_len = np.zeros((blocks,), np.int32)
-    # Windowed models keep the blocks but decode with plain paged attention.
-    self.cascade = bool(config.group_slots) and forward.cascade_refusal(model_config) is None
+    # Windowed models keep the blocks but decode with plain paged attention; the run says why.
+    refusal = forward.cascade_refusal(model_config) if config.group_slots else None
+    self.cascade = bool(config.group_slots) and refusal is None
+    self.cascade_refused: str | None = refusal  # Asked for by group_slots, and why not.
     self.release_window = _release_window(model_config)
 
   @classmethod

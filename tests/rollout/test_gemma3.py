@@ -83,6 +83,8 @@ def test_engines_asked_for_cascade_keep_blocks_and_decode_plainly():
   cfg = dataclasses.replace(H.ENGINE, group_slots=2, prefix_cache=True)
   eng = Engine.from_model(model, cfg)
   assert not eng.cascade and eng.group_slots == 2
+  assert eng.cascade_refused == cascade_refusal(model.config)  # What the run prints.
+  assert Engine.from_model(model, H.ENGINE).cascade_refused is None  # Not asked for.
   rng = np.random.default_rng(3)
   head = rng.integers(0, 320, size=9).tolist()  # Shared by every prompt: a cache hit.
   prompts = [head + rng.integers(0, 320, size=n).tolist() for n in (2, 7, 12)]
