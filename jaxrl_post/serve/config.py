@@ -26,6 +26,8 @@ class ServeConfig:
       10 s) for this long ends, and its adapters' slots are freed.
     poll_seconds: how long retrieve_future holds a request for a result before it answers
       try_again (the client re-polls at once; its own timeout is 45 s).
+    keep_results_s: how long a request's result is kept once ready, for a client to
+      retrieve (again); then it is dropped, so a long-running server's memory stays flat.
   """
 
   max_adapters: int = 8
@@ -37,6 +39,7 @@ class ServeConfig:
   batch_wait_s: float = 0.005
   session_timeout_s: float = 600.0
   poll_seconds: float = 20.0
+  keep_results_s: float = 3600.0
 
   def __post_init__(self):
     for name in ("max_adapters", "max_samplers", "max_length", "default_max_tokens"):
@@ -47,5 +50,7 @@ class ServeConfig:
       raise UserError(f"ServeConfig.batch_wait_s: must be in [0, 1], got {self.batch_wait_s}")
     if not self.session_timeout_s > 0:
       raise UserError(f"ServeConfig.session_timeout_s: must be > 0, got {self.session_timeout_s}")
+    if not self.keep_results_s >= 60:  # A client polling its result must still find it.
+      raise UserError(f"ServeConfig.keep_results_s: must be >= 60, got {self.keep_results_s}")
     if not 0 < self.poll_seconds <= 40:
       raise UserError(f"ServeConfig.poll_seconds: must be in (0, 40], got {self.poll_seconds}")

@@ -81,7 +81,7 @@ class Service:
   def __init__(self, served: Served, cfg: ServeConfig, workdir: str, mesh=None):
     self.served, self.cfg, self.mesh = served, cfg, mesh
     self.store = S.Store(workdir)
-    self.futures = Futures()
+    self.futures = Futures(cfg.keep_results_s)
     self.banks: dict[int, AdapterBank] = {}
     self.runs: dict[str, Run] = {}
     self.sessions: dict[str, dict] = {}
