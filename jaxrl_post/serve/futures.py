@@ -29,7 +29,7 @@ class Result:
 class Futures:
   """Thread-safe: the HTTP handlers create and wait, the worker resolves."""
 
-  def __init__(self, keep_s: float = 3600.0, clock: Callable[[], float] = time.monotonic):
+  def __init__(self, keep_s: float, clock: Callable[[], float] = time.monotonic):
     self._cv = threading.Condition()
     self._results: dict[str, Optional[Result]] = {}
     self._next = 0

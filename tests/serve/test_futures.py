@@ -39,7 +39,7 @@ def test_results_are_dropped_keep_s_after_they_are_ready_and_pending_ones_never(
 
 @pytest.mark.parametrize("rid", ["req-3", "req-01", "req--1", "req-", "3", "", None])
 def test_ids_this_server_never_gave_out_are_unknown(rid):
-  futures = Futures()
+  futures = Futures(keep_s=ServeConfig().keep_results_s)
   for _ in range(3):
     futures.create()
   assert not futures.known(rid)
