@@ -5,6 +5,7 @@ GPU, Mosaic (or JAX's splash attention) on TPU, the Pallas interpreter on CPU --
 its tunables in a frozen config dataclass passed as a static argument.
 
 * paged_attention: decode attention against a paged KV pool (GQA, ragged lengths).
+* paged_prefill: packed prompt chunks against their own pages (the engine's prefill).
 * cascade_attention: shared-prompt decode for groups of samples, merged by log-sum-exp.
 * packed_attention: causal attention over packed segments, with gradients.
 * chunked_logprob: token log-probabilities and entropies without [T, V] logits.
@@ -40,6 +41,10 @@ from jaxrl_post.kernels.paged_attention import (
     paged_attention_with_lse,
     paged_attention_with_lse_reference,
 )
+from jaxrl_post.kernels.paged_prefill import (
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
 
 __all__ = [
     "PACKED_ATTENTION_RESIDUALS",
@@ -61,4 +66,6 @@ __all__ = [
     "paged_attention_reference",
     "paged_attention_with_lse",
     "paged_attention_with_lse_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
 ]

@@ -12,7 +12,9 @@ pages, mask by length, float32 softmax) on the CPU, where Pallas only interprets
 soft-capped scores and pool shapes the GPU kernel does not take
 (`kernels.paged_attention.kernel_supports`). A sliding-window layer reads only the pages
 its window spans, on either path: the kernel gets the table from the window's first page
-on and masks the keys before the window in it. Prefill stays plain jnp.
+on and masks the keys before the window in it. Prefill takes the same split: on GPU/TPU
+kernels.paged_prefill reads each row's pages once per KV head (a sliding layer only the
+pages some query's window spans), on the CPU the jnp path gathers them.
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import group_queries, ungroup_queries
 from jaxrl_post.kernels.paged_attention import kernel_supports, merge_attention_parts
+from jaxrl_post.kernels.paged_prefill import paged_prefill_attention as paged_prefill
 from jaxrl_post.models import layers as L
 from jaxrl_post.rollout.pages import cdiv
 from jaxrl_post.sharding import on_accelerator
@@ -207,7 +210,8 @@ def _head_major_rows(q, k_pool, v_pool, layer, page_table, valid, logit_cap=None
 
 
 def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, key_starts,
-                            positions, segments, sliding_window=None, logit_cap=None):
+                            positions, segments, sliding_window=None, logit_cap=None,
+                            use_kernel: Optional[bool] = None):
   """Packed prompt chunks' queries against their own segments' pages (the chunk's own K/V
   included): a query sees a key iff both belong to one segment and the key's position is
   not after the query's (rollout.prefill_pack lays the rows out).
@@ -224,10 +228,20 @@ def paged_prefill_attention(q, k_pool, v_pool, layer, key_pages, key_segments, k
     segments: [B, T] int32 segment of each query (negative: padding, sees nothing).
     sliding_window: static, as in paged_decode_attention.
     logit_cap: static, as in paged_decode_attention.
+    use_kernel: static; kernels.paged_prefill (interpreted on a CPU) instead of plain jnp.
+      None: the kernel on GPU/TPU when there is no soft-capping.
 
   Returns:
     [B, T, Hq, D] in q's dtype.
   """
+  if use_kernel is None:
+    use_kernel = use_kernel_default(k_pool) and logit_cap is None
+  if use_kernel:
+    if logit_cap is not None:
+      raise ValueError("the paged prefill kernel has no soft-capping")
+    (k, offset), (v, _) = _flat(k_pool, layer), _flat(v_pool, layer)
+    return paged_prefill(q, k, v, key_pages + offset, key_segments, key_starts, positions,
+                         segments, window=sliding_window)
   ps = k_pool.shape[3]
   k = gather_pages(k_pool, layer, key_pages).astype(q.dtype)  # [B, K*ps, Hkv, D]
   v = gather_pages(v_pool, layer, key_pages).astype(q.dtype)

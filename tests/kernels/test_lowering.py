@@ -99,3 +99,14 @@ def test_chunked_logprob_lowers(platform):
   text = export(platform, value_and_grad, *args)
   assert "stablehlo.dot_general" in text and kernel_calls(platform, text) == 0  # plain XLA
 
+
+
+@pytest.mark.parametrize("platform", TARGETS)
+def test_paged_prefill_lowers(platform):
+  cfg = kernels.PagedAttentionConfig(backend=TARGETS[platform][1], interpret=False)
+  fn = functools.partial(kernels.paged_prefill_attention, config=cfg, window=64)
+  rows, t, k = 4, 24, 8  # The engine's packed rows of 24 tokens, 8 key pages each.
+  pool = S((HKV, POOL, PAGE, D), jnp.bfloat16)
+  table, tokens = S((rows, k), jnp.int32), S((rows, t), jnp.int32)
+  args = (S((rows, t, HQ, D), jnp.bfloat16), pool, pool, table, table, table, tokens, tokens)
+  assert kernel_calls(platform, export(platform, fn, *args)) == 1
