@@ -94,6 +94,42 @@ def bench_paged(args, rng) -> dict:
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 
 
+def bench_prefill(args, rng) -> dict:
+  """The engine's prefill of the last --chunk tokens of a --context-token prompt (its
+  earlier pages written), packed into rows of 24 by the engine's packer, per --batch
+  prompts; HBM traffic counts the K/V pages each row reads once per KV head."""
+  from jaxrl_post.kernels.paged_prefill import needed_pages
+  from jaxrl_post.rollout.prefill_pack import Chunk, pack
+  dtype = DTYPES[args.dtype]
+  pages = args.context // args.page_size
+  chunk = min(args.chunk, pages * args.page_size)
+  perm = rng.permutation(args.batch * pages).reshape(args.batch, pages)
+  chunks = [Chunk(0, np.zeros(chunk, np.int32), pages * args.page_size - chunk, perm[b])
+            for b in range(args.batch)]
+  rows, _ = pack(chunks, shards=1, width=24, page_size=args.page_size)
+  shape = (args.kv_heads, args.batch * pages, args.page_size, args.head_dim)
+  k_pages, v_pages = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                      for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((*rows.tokens.shape, args.heads, args.head_dim),
+                                      np.float32), dtype)
+  layout = tuple(jnp.asarray(x) for x in (rows.key_pages, rows.key_segments, rows.key_starts,
+                                          rows.positions, rows.segments))
+  inputs = (q, k_pages, v_pages, *layout)
+  kernel = jax.jit(kernels.paged_prefill_attention)
+  reference = jax.jit(kernels.paged_prefill_attention_reference)
+  valid = np.asarray(rows.segments) >= 0
+  err = float(np.abs(np.asarray(kernel(*inputs), np.float32)[valid] -
+                     np.asarray(reference(*inputs), np.float32)[valid]).max())
+  result = {"prompts": args.batch, "context": pages * args.page_size, "chunk": chunk,
+            "rows": int(rows.tokens.shape[0]),
+            "kernel_ms": median_ms(kernel, *inputs, runs=args.runs, warmup=args.warmup),
+            "reference_ms": median_ms(reference, *inputs, runs=args.runs, warmup=args.warmup),
+            "max_abs_err": err}
+  read = int(np.asarray(needed_pages(*layout[:3], *layout[3:], args.page_size, None)[3]).sum())
+  kv_bytes = 2 * read * args.page_size * args.kv_heads * args.head_dim * q.dtype.itemsize
+  return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
+
+
 def bench_cascade(args, rng) -> dict:
   """Prompt of --context tokens shared by --samples samples, each with --suffix tokens."""
   groups = max(1, args.batch // args.samples)
@@ -217,6 +253,7 @@ def parse_args():
   p.add_argument("--batch", type=int, default=small(4, 64), help="decode sequences")
   p.add_argument("--context", type=int, default=small(256, 4096), help="decode tokens / prompt")
   p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--chunk", type=int, default=small(64, 256), help="prefill tokens / prompt")
   p.add_argument("--samples", type=int, default=small(2, 8), help="cascade samples per prompt")
   p.add_argument("--suffix", type=int, default=small(64, 512), help="cascade private tokens")
   p.add_argument("--packed-batch", type=int, default=small(1, 8))
@@ -236,7 +273,8 @@ def main():
   results = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
              "jax": jax.__version__, "dtype": args.dtype,
              "interpreted": jax.default_backend() == "cpu"}
-  for name, bench in [("paged_attention", bench_paged), ("cascade_attention", bench_cascade),
+  for name, bench in [("paged_attention", bench_paged), ("paged_prefill", bench_prefill),
+                      ("cascade_attention", bench_cascade),
                       ("packed_attention", bench_packed), ("chunked_logprob", bench_logprob)]:
     results[name] = bench(args, rng)
     if not args.json:
@@ -245,8 +283,8 @@ def main():
   results["chunked_logprob_memory"] = memory
   results["chunked_logprob_memory_ratio"] = memory["ratio"]
   results["max_abs_err"] = {k: results[k]["max_abs_err"] for k in
-                            ("paged_attention", "cascade_attention", "packed_attention",
-                             "chunked_logprob")}
+                            ("paged_attention", "paged_prefill", "cascade_attention",
+                             "packed_attention", "chunked_logprob")}
   if args.json:
     print(json.dumps(results))
   else:

@@ -290,9 +290,24 @@ class _Walker:
       fields = json.loads(estimate.group(1))
       return Cost(flops=float(fields.get("flops", 0)),
                   bytes=float(fields.get("bytes_accessed", 0)))
-    if "paged_attention" in instr.attrs:  # Triton calls carry none: the same estimate.
+    # Triton calls carry none: the same estimates. The prefill kernel's text names the
+    # decode kernel's module too (helpers it shares), so it is matched first.
+    if "paged_prefill_attention" in instr.attrs:
+      return self.paged_prefill(instr)
+    if "paged_attention" in instr.attrs:
       return self.paged_attention(instr)
     return Cost(bytes=self.io_bytes(instr))
+
+  def paged_prefill(self, instr: Instr) -> Cost:
+    """Operands (q [R, Hkv, M, D], k, v [Hkv, P, ps, D], query positions and segments,
+    pages [R, K], ...): K and V of each row's listed pages once per KV head, as
+    kernels.paged_prefill._cost counts them (an upper bound: a window reads fewer)."""
+    q, k, _, _, _, pages = (self.shapes.get(o, "") for o in instr.operands[:6])
+    r, hkv, m, d = _dims(q)
+    ps, keys = _dims(k)[2], _dims(pages)[1] * _dims(k)[2]
+    kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * r * hkv * keys * d
+    return Cost(flops=4.0 * r * hkv * m * keys * d,
+                bytes=kv + shape_bytes(q) + shape_bytes(instr.shape) + shape_bytes(pages))
 
   def paged_attention(self, instr: Instr) -> Cost:
     """Operands (q [B, Hkv, G, D], k, v [Hkv, P, ps, D], table [B, M], lengths): K and V
