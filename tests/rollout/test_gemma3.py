@@ -182,3 +182,23 @@ def test_mixed_window_decode_lowers_with_the_kernel_on_both_kinds_of_layer(platf
 
   text = export(platform, decode_attention, *paged_args(jnp.bfloat16))
   assert kernel_calls(platform, text) == 2 and "stablehlo.case" in text
+
+
+def test_the_engine_with_the_kernels_decodes_as_the_dense_decoder(monkeypatch):
+  """The engine as it runs on a GPU (the Triton kernels, interpreted here): prefill through
+  kernels.paged_prefill on both branches of the layer cond (a sliding layer reads its
+  window pool's pages, only those its window spans), prompts continuing after cached
+  pages past the window, decode through the paged kernel: the dense decoder's tokens and
+  logprobs."""
+  from jaxrl_post.rollout import attention
+  monkeypatch.setattr(attention, "on_accelerator", lambda: True)
+  model = gemma3("tiny_gemma3")
+  rng = np.random.default_rng(7)
+  common = rng.integers(0, model.config.vocab_size, 13).tolist()
+  prompts = [common + rng.integers(0, model.config.vocab_size, n).tolist() for n in (2, 11)]
+  prompts.append(rng.integers(0, model.config.vocab_size, 30).tolist())
+  engine = Engine.from_model(model, dataclasses.replace(H.ENGINE, prefix_cache=True,
+                                                        prefill_rows=1))
+  out = generate(engine, prompts, n=1, sampling=SamplingParams(temperature=0.0, max_tokens=10))
+  assert engine.cached_prompt_tokens > 0
+  _check(model, prompts, out, generate_dense(model, prompts, max_new_tokens=10))
