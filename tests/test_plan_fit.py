@@ -78,6 +78,27 @@ def test_a_move_made_early_is_taken_back_once_others_free_enough():
   assert slower and all(c.step_s > best.step_s for c in slower)  # among the runners-up
 
 
+def test_slots_shrink_to_what_the_pool_holds_when_it_holds_fewer():
+  """The pool holds 3 sequences of the longest length; the slots need 8 (whole blocks of
+  group_slots = 2 per data shard): 2 slots fit, which is what the move binds, once."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  experiment = lambda b: _experiment(["EngineConfig.group_slots = 2", *b])
+  slots = experiment([]).rollout.engine.num_slots
+  per_slot = 100
+
+  def plan_with(bindings):
+    n = experiment(bindings).rollout.engine.num_slots
+    short = n * per_slot > 3 * per_slot
+    return {"fits": not short, "peak_gb_per_device": 4.0 + n, "predicted_s": {"step": 1.0},
+            "memory_gb": {"train": {"temp": 0.0}},
+            "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.3},
+            "kv_tokens": 3 * per_slot, "kv_tokens_needed": n * per_slot}
+
+  found = fit.search(plan_with, experiment, mesh, budget=6, log=lambda line: None)
+  assert slots > 3 and found[0].fits and found[0].moves == ("slots to the pool",)
+  assert found[0].bindings == ("EngineConfig.num_slots = 2",)
+
+
 def test_bindings_are_gin_that_a_shell_can_quote():
   line = fit.gin_binding("ModelSpec.overrides", {"remat": "full", "scale": 0.5})
   assert line == 'ModelSpec.overrides = {"remat": "full", "scale": 0.5}' and "'" not in line

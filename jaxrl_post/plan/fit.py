@@ -10,7 +10,10 @@ search is greedy over moves that each relieve one part of a device's memory:
 * reference bfloat16: half the frozen reference's resident copy;
 * rollout tensor x2: the engine's weights and KV heads split over twice the devices
   instead of replicated (fewer, wider decode replicas);
-* slots / 2: half the KV the engine's slots need at the longest sequence.
+* slots to the pool: as many decode slots as the KV pool of the config as it is holds at
+  the longest sequence (whole cascade blocks per data shard), where it holds fewer than
+  the config's slots; the other moves only free memory, so the pool they leave holds at
+  least as many.
 
 A local search over sets of moves. While the config does not fit, the move whose
 estimated saving (from the last plan's memory breakdown) is largest is planned next and
@@ -52,11 +55,13 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Move:
   name: str
-  bindings: Callable  # (exp, rollout mesh shape) -> {gin name: value}, or None (n/a)
+  # (exp, rollout mesh shape, the plan of the config as it is) -> {gin name: value}, or
+  # None (n/a)
+  bindings: Callable
   saving_gb: Callable  # (plan json) -> estimated GB per device it frees
 
 
-def _micro_batches(exp, mesh):
+def _micro_batches(exp, mesh, base):
   t, r = exp.trainer, exp.rollout
   m = 2 * t.micro_batches
   if (r.prompts_per_step * r.group_size) % (t.minibatches * m):
@@ -64,19 +69,19 @@ def _micro_batches(exp, mesh):
   return {"TrainerConfig.micro_batches": m}
 
 
-def _remat(exp, mesh):
+def _remat(exp, mesh, base):
   if exp.model.overrides.get("remat", "none") == "full":
     return None
   return {"ModelSpec.overrides": {**exp.model.overrides, "remat": "full"}}
 
 
-def _reference(exp, mesh):
+def _reference(exp, mesh, base):
   if exp.reference.dtype == "bfloat16" or exp.trainer.loss.kl_coef <= 0:
     return None
   return {"ReferenceSpec.dtype": "bfloat16"}
 
 
-def _rollout_tensor(exp, mesh):
+def _rollout_tensor(exp, mesh, base):
   data, tensor = mesh["data"], mesh["tensor"]
   if data % 2:
     return None
@@ -85,13 +90,19 @@ def _rollout_tensor(exp, mesh):
           "rollout_mesh/MeshConfig.expert": mesh["expert"]}
 
 
-def _slots(exp, mesh):
+def _slots(exp, mesh, base):
+  """The slots the base plan's pool holds at the longest sequence, in whole blocks of
+  group_slots per data shard; None where it holds the config's slots (or not one block)."""
   from jaxrl_post.rollout.layout import batch_shards
 
-  eng = exp.rollout.engine
-  if eng.num_slots is None or eng.num_slots // 2 < max(eng.group_slots, 1) * batch_shards(mesh):
+  eng, data = exp.rollout.engine, batch_shards(mesh)
+  per_shard = eng.num_slots // data
+  per_slot = base["kv_tokens_needed"] // max(per_shard, 1)  # tokens of one slot's sequence
+  unit = max(eng.group_slots, 1)
+  held = base["kv_tokens"] // max(per_slot, 1) // unit * unit
+  if held < unit or held >= per_shard:
     return None
-  return {"EngineConfig.num_slots": eng.num_slots // 2}
+  return {"EngineConfig.num_slots": held * data}
 
 
 def _kv_short(plan) -> float:
@@ -106,7 +117,7 @@ MOVES = (
     Move("reference bfloat16", _reference, lambda p: p["resident_gb"]["reference"] / 2),
     Move("rollout tensor x2", _rollout_tensor,
          lambda p: p["resident_gb"]["rollout_weights"] / 2),
-    Move("slots / 2", _slots, lambda p: p["resident_gb"]["kv_pool"] / 2 + 2 * _kv_short(p)),
+    Move("slots to the pool", _slots, lambda p: 2 * _kv_short(p)),
 )
 
 
@@ -127,14 +138,16 @@ def gin_binding(name: str, value) -> str:
   return f"{name} = {gin_value(value)}"
 
 
-def _bindings_for(moves: frozenset, experiment: Callable, rollout_mesh: Callable):
+def _bindings_for(moves: frozenset, experiment: Callable, rollout_mesh: Callable,
+                  base: dict):
   """The bindings of a set of moves, applied in MOVES order (each sees the config the
-  earlier ones made); None if one of them does not apply."""
+  earlier ones made; `base` is the plan of the config as it is); None if one of them does
+  not apply."""
   bindings: dict = {}
   for m in MOVES:
     if m.name in moves:
       exp = experiment(_lines(bindings))
-      extra = m.bindings(exp, rollout_mesh(exp))
+      extra = m.bindings(exp, rollout_mesh(exp), base)
       if extra is None:
         return None
       bindings.update(extra)
@@ -200,7 +213,7 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
     for option in _neighbours(current, moves):
       if option in seen or option in inapplicable:
         continue
-      bindings = _bindings_for(option, experiment, rollout_mesh)
+      bindings = _bindings_for(option, experiment, rollout_mesh, seen[frozenset()].plan)
       if bindings is None:
         inapplicable.add(option)
         continue

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +137,15 @@ def test_every_accelerator_config_parses_and_documents_how_to_plan_and_launch(na
     assert "/data/gsm8k/train.jsonl: no such file" in str(e), str(e)
   finally:
     os.chdir(cwd)
+
+
+@pytest.mark.sweep  # A full plan per config: minutes each, for a release check.
+@pytest.mark.parametrize("name", _SLICES)
+def test_every_accelerator_config_fits_the_target_its_plan_line_names(name):
+  """The command on each config's first line, as a user pastes it, says "fits" (exit 0)."""
+  line = open(os.path.join(CONFIGS, name)).readline()
+  args = line.split("python -m jaxrl_post.plan", 1)[1].split()
+  out = subprocess.run([sys.executable, "-m", "jaxrl_post.plan", *args, "--json"],
+                       cwd=os.path.join(CONFIGS, ".."), capture_output=True, text=True,
+                       timeout=1800)
+  assert out.returncode == 0 and json.loads(out.stdout)["fits"], out.stdout[-2000:]
