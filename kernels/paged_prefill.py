@@ -37,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_post.kernels.paged_attention import (
-    MASK_VALUE, PagedAttentionConfig, _dot_precision, _finish, _online_update,
-    _pages_per_block, resolve_backend)
+    MASK_VALUE, PagedAttentionConfig, _finish, _online_update, _pages_per_block, _scores,
+    resolve_backend)
 
 _BLOCK_Q = 128  # Query rows (tokens x heads of a group) per program.
 _SHARED_ROWS = 16384  # Triton: query rows (and keys) per block x head_dim, at most.
@@ -48,12 +48,6 @@ def _visible(q_pos, q_seg, k_pos, k_seg, window):
   """[M, 1] query and [1, N] (or [M, N]) key positions/segments -> [M, N] bool."""
   keep = (q_seg == k_seg) & (q_seg >= 0) & (k_pos <= q_pos)
   return keep if window is None else keep & (q_pos - k_pos < window)
-
-
-def _scores(q, k, sm_scale):  # [M, D], [N, D] -> [M, N] f32
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_dot_precision(q.dtype),
-                          preferred_element_type=jnp.float32)
-  return s * sm_scale
 
 
 def needed_pages(key_pages, key_segments, key_starts, positions, segments, page_size,

@@ -96,6 +96,8 @@ def _slots(exp, mesh, base):
   from jaxrl_post.rollout.layout import batch_shards
 
   eng, data = exp.rollout.engine, batch_shards(mesh)
+  if eng.num_slots is None:
+    return None
   per_shard = eng.num_slots // data
   per_slot = base["kv_tokens_needed"] // max(per_shard, 1)  # tokens of one slot's sequence
   unit = max(eng.group_slots, 1)
