@@ -3,6 +3,7 @@ compile-only topology, v5e 2x2) from this CPU host, with the Pallas kernels insi
 a lowering break in a kernel or in the programs around it fails here the day it is made.
 Also the plan's cost walker (loops by trip count) and its targets."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -141,6 +142,10 @@ def test_a_plan_that_does_not_fit_says_so_and_lists_the_largest_buffers():
   verdict = report.build(compiled, targets.Target("small", small, 1), small, exp, 1)
   assert verdict.fits is False and verdict.largest_buffers
   assert "does NOT fit" in report.text(verdict)
+  # A pool short of the slots' need says by how much, and what sizes the slots to it.
+  short = dataclasses.replace(verdict, kv_tokens=verdict.kv_tokens_needed // 4)
+  assert ("tokens: short, the pool holds 25% of the slots' sequences at their longest "
+          "(--fit sizes the slots to it)") in report.text(short)
 
 
 @pytest.mark.skipif(not targets.has_cuda_compiler(),

@@ -244,8 +244,12 @@ def text(plan: Plan) -> str:
   lines.append(f"resident: train state {r['train_state']:.2f} GB, reference "
                f"{r['reference']:.2f} GB, rollout weights {r['rollout_weights']:.2f} GB"
                f"{in_flight}, KV pool {r['kv_pool']:.2f} GB")
+  short = ""
+  if plan.kv_tokens < plan.kv_tokens_needed:
+    short = (f": short, the pool holds {plan.kv_tokens / plan.kv_tokens_needed:.0%} of the "
+             "slots' sequences at their longest (--fit sizes the slots to it)")
   lines.append(f"kv: {plan.kv_pages} pages ({plan.kv_tokens} tokens) fit per data shard; "
-               f"the slots need {plan.kv_tokens_needed} tokens")
+               f"the slots need {plan.kv_tokens_needed} tokens{short}")
   lines.append("attention: " + "; ".join(f"{k}: {v}" for k, v in
                                           plan.attention_backends.items()))
   t = plan.predicted_s
