@@ -170,7 +170,6 @@ def _kernel_mosaic(pages_ref, kseg_ref, kstart_ref, count_ref, q_ref, qpos_ref, 
   o_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_block:]
   row, i = pl.program_id(0), pl.program_id(3)
   count = count_ref[row]
-  page_size = k_refs[0].shape[0]
 
   @pl.when(i == 0)
   def _init():

@@ -125,7 +125,7 @@ def bench_prefill(args, rng) -> dict:
             "kernel_ms": median_ms(kernel, *inputs, runs=args.runs, warmup=args.warmup),
             "reference_ms": median_ms(reference, *inputs, runs=args.runs, warmup=args.warmup),
             "max_abs_err": err}
-  read = int(np.asarray(needed_pages(*layout[:3], *layout[3:], args.page_size, None)[3]).sum())
+  read = int(np.asarray(needed_pages(*layout, args.page_size, None)[3]).sum())
   kv_bytes = 2 * read * args.page_size * args.kv_heads * args.head_dim * q.dtype.itemsize
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 

@@ -42,19 +42,18 @@ def rows_for(context: int, chunk: int, page_size: int):
 def measure(name: str, context: int, chunk: int, page_size: int) -> dict:
   cfg = preset(name)
   rows = rows_for(context, chunk, page_size)
-  listed = int((rows.key_segments >= 0).sum(axis=1).max())
+  listed = rows.key_segments >= 0  # [rows, K]: what the jnp path gathers
+  layout = [jnp.asarray(x) for x in (rows.key_pages, rows.key_segments, rows.key_starts,
+                                     rows.positions, rows.segments)]
   kv_page = 2 * cfg.num_kv_heads * page_size * cfg.head_dim * 2  # K and V, bf16
   out = {"model": name, "context": context, "chunk": chunk, "rows": int(rows.tokens.shape[0]),
          "window": cfg.sliding_window}
   for kind, window in (("sliding", cfg.sliding_window), ("global", None)):
-    counts = np.asarray(needed_pages(*(jnp.asarray(x) for x in (
-        rows.key_pages, rows.key_segments, rows.key_starts, rows.positions, rows.segments)),
-        page_size, window)[3])
-    gathered = int((rows.key_segments >= 0).sum())
-    entry = {"key_pages_per_row_jnp": listed, "key_pages_per_row_kernel": int(counts.max()),
-             "kv_mb_read_jnp": round(gathered * kv_page / 2**20, 1),
-             "kv_mb_read_kernel": round(int(counts.sum()) * kv_page / 2**20, 1)}
-    out[kind] = entry
+    counts = np.asarray(needed_pages(*layout, page_size, window)[3])
+    out[kind] = {"key_pages_per_row_jnp": int(listed.sum(axis=1).max()),
+                 "key_pages_per_row_kernel": int(counts.max()),
+                 "kv_mb_read_jnp": round(int(listed.sum()) * kv_page / 2**20, 1),
+                 "kv_mb_read_kernel": round(int(counts.sum()) * kv_page / 2**20, 1)}
   return out
 
 

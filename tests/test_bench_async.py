@@ -1,21 +1,13 @@
 """scripts/bench_async.py: a smoke run compares the two drivers on the same workload."""
 
-import importlib.util
 import json
-import os
-import sys
 
-from tests.test_bench_step import ROOT, _bench_step
+from tests import scripts
 
 
 def _bench_async():
-  _bench_step()  # bench_async imports it by name.
-  path = os.path.join(ROOT, "scripts", "bench_async.py")
-  spec = importlib.util.spec_from_file_location("bench_async", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+  scripts.load("bench_step")  # bench_async imports it by name.
+  return scripts.load("bench_async")
 
 
 def test_quick_run_reports_both_drivers_and_the_staleness(capsys):

@@ -1,11 +1,11 @@
 """scripts/bench_generate.py: the job's prompts, completion trimming, and a tiny run's JSON."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+from tests import scripts
 from tests.xla import host_flags
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
@@ -13,10 +13,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load("bench_generate")
 
 
 def test_prompts_are_distinct_deterministic_and_mixed():

@@ -1,13 +1,10 @@
 """scripts/bench_kv_memory.py: what a Gemma 3 sequence holds with and without the window pool."""
 
-import importlib.util
 import json
-import os
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_kv_memory.py")
-_spec = importlib.util.spec_from_file_location("bench_kv_memory", SCRIPT)
-bench_kv_memory = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_kv_memory)
+from tests import scripts
+
+bench_kv_memory = scripts.load("bench_kv_memory")
 
 
 def test_the_window_pool_holds_the_global_layers_whole_and_a_window_of_the_rest(capsys):

@@ -1,13 +1,10 @@
 """scripts/bench_prefill.py: the pages a long prompt's prefill reads, jnp gather vs kernel."""
 
-import importlib.util
 import json
-import os
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_prefill.py")
-_spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
-bench_prefill = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_prefill)
+from tests import scripts
+
+bench_prefill = scripts.load("bench_prefill")
 
 
 def test_a_sliding_layer_reads_its_window_and_a_global_layer_everything(capsys):

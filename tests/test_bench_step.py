@@ -1,23 +1,16 @@
 """scripts/bench_step.py: a smoke run of the GRPO step benchmark prints every key."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import scripts
+
 PHASES = {"rollout", "reward", "advantage", "pack", "train", "sync", "waiting"}
 
 
 def _bench_step():
-  spec = importlib.util.spec_from_file_location("bench_step",
-                                                os.path.join(ROOT, "scripts", "bench_step.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load("bench_step")
 
 
 def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):

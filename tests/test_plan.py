@@ -1,7 +1,6 @@
 """Memory planning on abstract arrays: compiled figures, FSDP scaling, KV pool sizing."""
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -118,12 +117,8 @@ def test_decode_loop_memory_holds_the_pool():
 
 
 def _bench_scale():
-  spec = importlib.util.spec_from_file_location("bench_scale",
-                                                os.path.join(ROOT, "scripts", "bench_scale.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-  spec.loader.exec_module(module)
-  return module
+  from tests import scripts  # Not at the top: a test imports this file as `test_plan`.
+  return scripts.load("bench_scale")
 
 
 @pytest.mark.slow

@@ -290,34 +290,25 @@ class _Walker:
       fields = json.loads(estimate.group(1))
       return Cost(flops=float(fields.get("flops", 0)),
                   bytes=float(fields.get("bytes_accessed", 0)))
-    # Triton calls carry none: the same estimates. The prefill kernel's text names the
-    # decode kernel's module too (helpers it shares), so it is matched first.
+    # Triton calls carry none: the kernels' own estimates. The prefill kernel's text names
+    # the decode kernel's module too (helpers it shares), so it is matched first.
     if "paged_prefill_attention" in instr.attrs:
-      return self.paged_prefill(instr)
+      return self.paged_attention(instr, table=5)
     if "paged_attention" in instr.attrs:
-      return self.paged_attention(instr)
+      return self.paged_attention(instr, table=3)
     return Cost(bytes=self.io_bytes(instr))
 
-  def paged_prefill(self, instr: Instr) -> Cost:
-    """Operands (q [R, Hkv, M, D], k, v [Hkv, P, ps, D], query positions and segments,
-    pages [R, K], ...): K and V of each row's listed pages once per KV head, as
-    kernels.paged_prefill._cost counts them (an upper bound: a window reads fewer)."""
-    q, k, _, _, _, pages = (self.shapes.get(o, "") for o in instr.operands[:6])
-    r, hkv, m, d = _dims(q)
-    ps, keys = _dims(k)[2], _dims(pages)[1] * _dims(k)[2]
-    kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * r * hkv * keys * d
-    return Cost(flops=4.0 * r * hkv * m * keys * d,
+  def paged_attention(self, instr: Instr, table: int) -> Cost:
+    """A paged kernel's operands: q [rows, Hkv, queries per KV head, D] first, the pool
+    k, v [Hkv, P, ps, D] next, each row's page list [rows, M] at index `table` (decode:
+    kernels.paged_attention._cost; prefill: kernels.paged_prefill._cost, an upper bound
+    where a window reads fewer). K and V of each row's listed pages once per KV head."""
+    q, k, pages = (self.shapes.get(instr.operands[i], "") for i in (0, 1, table))
+    rows, hkv, queries, d = _dims(q)
+    keys = _dims(pages)[1] * _dims(k)[2]
+    kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * rows * hkv * keys * d
+    return Cost(flops=4.0 * rows * hkv * queries * keys * d,
                 bytes=kv + shape_bytes(q) + shape_bytes(instr.shape) + shape_bytes(pages))
-
-  def paged_attention(self, instr: Instr) -> Cost:
-    """Operands (q [B, Hkv, G, D], k, v [Hkv, P, ps, D], table [B, M], lengths): K and V
-    of each row's table pages once per KV head (kernels.paged_attention._cost)."""
-    q, k, _, table = (self.shapes.get(o, "") for o in instr.operands[:4])
-    b, hkv, g, d = _dims(q)
-    ps, pages = _dims(k)[2], _dims(table)[1]
-    kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * b * hkv * pages * ps * d
-    return Cost(flops=4.0 * b * hkv * g * pages * ps * d,
-                bytes=kv + shape_bytes(q) + shape_bytes(instr.shape) + shape_bytes(table))
 
   def trip_count(self, instr: Instr, cond: str) -> float:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
