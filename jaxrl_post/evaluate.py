@@ -75,11 +75,13 @@ def evaluate(exp, cfg, params, tokenizer) -> dict:
   from jaxrl_post.pipeline import rollouts
   from jaxrl_post.rewards import VerifierPool
   from jaxrl_post.rollout import Engine
+  from jaxrl_post.rollout.weights import engine_form
   from jaxrl_post.sharding import WeightSync, build_meshes
 
   meshes = build_meshes(exp.placement)
   full = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(cfg.param_dtype)), params)
-  sync = WeightSync(meshes, logical_axes(abstract_model(cfg)), full, exp.sync)
+  form = engine_form(cfg, meshes.rollout, exp.rollout.engine.split_layers)  # Held once.
+  sync = WeightSync(meshes, logical_axes(abstract_model(cfg)), full, exp.sync, form=form)
   rollout = sync.initial(full)
   from jaxrl_post.envs import Environment
 

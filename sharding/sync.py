@@ -11,6 +11,10 @@ same slice; with the roles on different processes, as one collective program
 
 With LoRA, `PartialSync` moves the adapters only: the rollout keeps its own copy of the
 frozen base, made once, and receives just the adapters at each sync.
+
+Either sync writes the weights in the rollout engine's form (`form`: an engine that holds
+its layers one buffer per layer gets them so, rollout.weights.SplitLayers), so the engine
+uses the sync's output as it is and the weights exist once on the rollout's devices.
 """
 
 from __future__ import annotations
@@ -83,19 +87,26 @@ class WeightSync:
     axes_tree: logical axis names per parameter (leaves are tuples of names).
     shapes_tree: matching arrays or ShapeDtypeStructs.
     cfg: sync frequency and the rollout dtype.
+    form: the rollout engine's form of the tree, applied in the sync's program (called on
+      the cast tree; `form.shardings` maps the tree's shardings likewise); None keeps the
+      trainer's tree.
   """
 
   def __init__(self, meshes: Meshes, axes_tree, shapes_tree, cfg: SyncConfig = SyncConfig(),
-               train_rules: Rules = TRAINING_RULES, rollout_rules: Rules = ROLLOUT_RULES):
+               train_rules: Rules = TRAINING_RULES, rollout_rules: Rules = ROLLOUT_RULES,
+               form=None):
     self.cfg = cfg
     self.meshes = meshes
     dtype = jnp.dtype(cfg.rollout_dtype)
     self.train_shardings = tree_shardings(axes_tree, shapes_tree, train_rules, meshes.trainer)
     self.rollout_shardings = tree_shardings(axes_tree, shapes_tree, rollout_rules,
                                             meshes.rollout)
+    if form is not None:
+      self.rollout_shardings = form.shardings(self.rollout_shardings)
     self.bytes_per_sync = sum(math.prod(x.shape) * dtype.itemsize
                               for x in jax.tree.leaves(shapes_tree))
-    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+    shaped = form or (lambda tree: tree)
+    cast = lambda tree: shaped(jax.tree.map(lambda x: x.astype(dtype), tree))
     if meshes.colocated:
       self._first = jax.jit(cast, in_shardings=(self.train_shardings,),
                             out_shardings=self.rollout_shardings)
@@ -149,22 +160,40 @@ class WeightSync:
     return self._first.lower(train_params).compile().as_text()
 
 
-def _split(tree, moves: Callable[[tuple], bool], is_leaf=None) -> tuple[dict, dict]:
-  """(moving, fixed) halves of a nested dict, split leaf by leaf on `moves(path)`."""
-  halves: tuple[dict, dict] = ({}, {})
-  for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-    node = halves[0 if moves(path) else 1]
-    for key in path[:-1]:
-      node = node.setdefault(key.key, {})
-    node[path[-1].key] = x
-  return halves
+_NONE = object()  # A half of a subtree that holds no leaf of that half.
 
 
-def _merge(a: dict, b: dict) -> dict:
-  """Union of two nested dicts with disjoint leaves."""
+def _split(tree, moves: Callable[[tuple], bool], is_leaf=None, path: tuple = ()):
+  """(moving, fixed) halves of a nested dict, split leaf by leaf on `moves(path)` (path:
+  jax.tree_util keys). Tuples inside (a split engine's layers) keep their positions in
+  both halves."""
+  tu = jax.tree_util
+  if isinstance(tree, dict) and not (is_leaf and is_leaf(tree)):
+    halves: tuple[dict, dict] = ({}, {})
+    for key, sub in tree.items():
+      for half, part in zip(halves, _split(sub, moves, is_leaf, path + (tu.DictKey(key),))):
+        if part is not _NONE:
+          half[key] = part
+    return tuple(h if h else _NONE for h in halves)
+  if isinstance(tree, (tuple, list)) and not (is_leaf and is_leaf(tree)):
+    parts = [_split(sub, moves, is_leaf, path + (tu.SequenceKey(i),))
+             for i, sub in enumerate(tree)]
+    return tuple(_NONE if all(p[h] is _NONE for p in parts)
+                 else tuple({} if p[h] is _NONE else p[h] for p in parts) for h in (0, 1))
+  return (tree, _NONE) if moves(path) else (_NONE, tree)
+
+
+def _halves(tree, moves, is_leaf=None) -> tuple[dict, dict]:
+  return tuple({} if h is _NONE else h for h in _split(tree, moves, is_leaf))
+
+
+def _merge(a, b):
+  """Union of two nested dicts with disjoint leaves (tuples inside merged by position)."""
+  if isinstance(a, tuple) and isinstance(b, tuple):
+    return tuple(_merge(x, y) for x, y in zip(a, b, strict=True))
   out = dict(a)
   for k, v in b.items():
-    out[k] = _merge(out[k], v) if isinstance(v, dict) and k in out else v
+    out[k] = _merge(out[k], v) if isinstance(v, (dict, tuple)) and k in out else v
   return out
 
 
@@ -178,17 +207,18 @@ class PartialSync:
 
   Args:
     moves: whether the leaf at a `tree_flatten_with_path` path trains (and so moves).
+    form: as WeightSync's, applied to each half.
   """
 
   def __init__(self, meshes: Meshes, axes_tree, shapes_tree, cfg: SyncConfig,
-               moves: Callable[[tuple], bool]):
+               moves: Callable[[tuple], bool], form=None):
     self.cfg, self.meshes, self._moves = cfg, meshes, moves
-    split_axes = _split(axes_tree, moves, is_leaf=lambda x: isinstance(x, tuple))
-    moving_shapes, fixed_shapes = _split(shapes_tree, moves)
+    split_axes = _halves(axes_tree, moves, is_leaf=lambda x: isinstance(x, tuple))
+    moving_shapes, fixed_shapes = _halves(shapes_tree, moves)
     if not jax.tree.leaves(moving_shapes):
       raise UserError("weight sync: no parameter trains, so none would ever move")
-    self._moving = WeightSync(meshes, split_axes[0], moving_shapes, cfg)
-    self._fixed = WeightSync(meshes, split_axes[1], fixed_shapes, cfg)
+    self._moving = WeightSync(meshes, split_axes[0], moving_shapes, cfg, form=form)
+    self._fixed = WeightSync(meshes, split_axes[1], fixed_shapes, cfg, form=form)
     self.bytes_per_sync = self._moving.bytes_per_sync
 
   def due(self, step: int) -> bool:
@@ -196,21 +226,21 @@ class PartialSync:
 
   def moving(self, params) -> dict:
     """The leaves of a whole tree that a sync moves (what a checkpoint must keep)."""
-    return _split(params, self._moves)[0]
+    return _halves(params, self._moves)[0]
 
   def with_moving(self, params, moving) -> dict:
     """A whole tree with its moving leaves replaced by `moving`."""
-    return _merge(moving, _split(params, self._moves)[1])
+    return _merge(moving, _halves(params, self._moves)[1])
 
   def initial(self, train_params) -> RolloutWeights:
     """Version 0: the fixed leaves (once, for the whole run) and the moving ones."""
-    moving, fixed = _split(train_params, self._moves)
+    moving, fixed = _halves(train_params, self._moves)
     params = _merge(self._moving.initial(moving).params, self._fixed.initial(fixed).params)
     return RolloutWeights(params, version=0)
 
   def __call__(self, train_params, rollout: RolloutWeights) -> RolloutWeights:
     """Version + 1, moving only the trained leaves; the engine's old copy of them is
     consumed, its fixed leaves are kept as they are."""
-    old_moving, fixed = _split(rollout.params, self._moves)
+    old_moving, fixed = _halves(rollout.params, self._moves)
     new = self._moving(self.moving(train_params), RolloutWeights(old_moving, rollout.version))
     return RolloutWeights(_merge(new.params, fixed), new.version)

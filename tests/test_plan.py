@@ -170,3 +170,13 @@ def test_an_asynchronous_run_holds_more_rollout_weight_versions_and_a_smaller_po
   built = report.build(p, targets.resolve("local", 1), chip, exp, 1)
   assert built.resident_gb["rollout_weights_in_flight"] == round(3 * copy / plan.GB, 3) > 0
   assert "of versions in flight" in report.text(built)
+
+
+def test_an_engine_that_splits_its_layers_holds_the_rollout_weights_once():
+  """The sync writes the engine's per-layer form (rollout.weights.SplitLayers), so the plan
+  counts one copy of the rollout weights, as the run holds."""
+  from jaxrl_post.plan import programs
+  exp = _quickstart("quickstart.gin", "EngineConfig.split_layers = True")
+  p = programs.compile_programs(exp, jax.devices()[:1])
+  assert p.rollout_weight_bytes == plan.rollout_bytes(p.model, p.meshes.rollout, "float32")
+  assert p.rollout_weight_bytes == 4 * p.model.num_params

@@ -48,7 +48,7 @@ from jaxrl_post.rl.dapo import OverlongConfig, overlong_penalty
 from jaxrl_post.rl.packing import completion_bucket
 from jaxrl_post.rl.trainer import (SequenceScores, Trainer, fetch_metrics, pack_rollouts,
                                    rollout_batch_metrics)
-from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams
+from jaxrl_post.rollout import Engine, EngineConfig, SamplingParams, weights
 from jaxrl_post.rollout.pages import free_device_bytes
 from jaxrl_post.sharding import PartialSync, WeightSync, build_meshes
 from jaxrl_post.telemetry import (DiscardMetrics, MetricsWriter, ProgressBar, StepTimer,
@@ -160,11 +160,14 @@ class RLRun:
   def _build_rollout(self, meta_version: int, restored_step: Optional[int]) -> None:
     model = abstract_model(self.model_cfg)
     full = self.trainer.full_params(self.state)
+    # The sync writes the engine's form, so the engine's weights are the sync's output.
+    form = weights.engine_form(self.model_cfg, self.meshes.rollout,
+                               self.exp.rollout.engine.split_layers)
     if self.trainer.lora:  # The engine runs base + adapters; only the adapters move.
       self.sync = PartialSync(self.meshes, logical_axes(model), full, self.exp.sync,
-                              moves=is_adapter)
+                              moves=is_adapter, form=form)
     else:
-      self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync)
+      self.sync = WeightSync(self.meshes, logical_axes(model), full, self.exp.sync, form=form)
     rollout = self.sync.initial(full)
     if restored_step is not None:  # Saved when they may lag the train state (`save`).
       moving = self.sync.moving(rollout.params)

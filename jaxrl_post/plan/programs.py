@@ -30,6 +30,7 @@ from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import Trainer
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import cdiv, window_span
+from jaxrl_post.rollout.weights import engine_form
 from jaxrl_post.sharding import Meshes, PartialSync, WeightSync, build_meshes
 
 
@@ -140,21 +141,12 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
   decode = compiled_memory(memory.lower_decode(cfg, params, pool, state, steps, layout,
                                                 r.top_k > 0 or r.top_p < 1).compile(), analyse=True)
   prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile(), analyse=True)
-  sync, sync_bytes = _compile_sync(exp, cfg, meshes)
+  sync, sync_bytes = _compile_sync(exp, cfg, meshes, layout)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
                   prefill=prefill,
                   decode=decode, decode_steps=steps, sync=sync,
-                  rollout_weight_bytes=_rollout_weight_bytes(cfg, params, layout),
+                  rollout_weight_bytes=memory.device_bytes(params),
                   decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)
-
-
-def _rollout_weight_bytes(cfg: ModelConfig, params, layout: RolloutLayout) -> int:
-  """What the rollout's weights hold per device: the synced copy, and on a layout that
-  splits the layers the engine's per-layer copy of them beside it (rollout.weights)."""
-  total = memory.device_bytes(params)
-  if layout.split_layers:
-    total += sum(memory.device_bytes(layer) for layer in params["layers"])
-  return total
 
 
 def _decode_weight_bytes(cfg: ModelConfig, params) -> int:
@@ -182,20 +174,23 @@ def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLay
                        cfg=cfg, layout=layout)
 
 
-def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes) -> tuple[CompiledMemory, int]:
-  """The weight sync's program and the bytes it moves (only adapters with LoRA)."""
+def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes,
+                  layout: RolloutLayout) -> tuple[CompiledMemory, int]:
+  """The weight sync's program (writing the engine's form of the weights, as the run's
+  does) and the bytes it moves (only adapters with LoRA)."""
   model = abstract_model(cfg)
   shapes_ = params_of(model)
   axes = logical_axes(model)
+  form = engine_form(cfg, layout.mesh, layout.split_layers)
   if cfg.lora is not None:
-    sync = PartialSync(meshes, axes, shapes_, exp.sync, moves=is_adapter)
+    sync = PartialSync(meshes, axes, shapes_, exp.sync, moves=is_adapter, form=form)
     inner, tree = sync._moving, sync.moving(shapes_)
   else:
-    inner, tree = WeightSync(meshes, axes, shapes_, exp.sync), shapes_
+    inner, tree = WeightSync(meshes, axes, shapes_, exp.sync, form=form), shapes_
   train = _placed(tree, inner.train_shardings)
   dtype = jnp.dtype(exp.sync.rollout_dtype)
   if meshes.colocated:
-    rollout = _placed(tree, inner.rollout_shardings, dtype)
+    rollout = _placed(form.abstract(tree) if form else tree, inner.rollout_shardings, dtype)
     lowered = inner._sync.lower(train, rollout)
   else:
     lowered = inner._first.lower(train)

@@ -179,15 +179,19 @@ class Engine(SlotBook, Prefilling, CompileAheadMixin):
     calls already launched (see `launch`) decode with the weights they were launched with.
 
     Weights not already in the rollout sharding of this engine's mesh are moved there.
+    An engine that splits its layers takes them split (a run's weight sync makes that
+    form: rollout.weights.SplitLayers) or stacked, which it splits into a copy.
     """
     template = weights.template(self.model_config)
-    want = jax.tree.structure(params_of(template))
-    if jax.tree.structure(params) != want:
+    tree = params_of(template)
+    shardings = tree_shardings(logical_axes(template), tree, ROLLOUT_RULES, self.layout.mesh)
+    form = weights.engine_form(self.model_config, self.layout.mesh, self.layout.split_layers)
+    if form is not None and weights.is_split(params):
+      tree, shardings = form.abstract(tree), form.shardings(shardings)
+    if jax.tree.structure(params) != jax.tree.structure(tree):
       raise UserError("set_weights: the parameter tree does not match the model config")
-    shardings = tree_shardings(logical_axes(template), params_of(template), ROLLOUT_RULES,
-                               self.layout.mesh)
     self.params = jax.tree.map(programs.placed, params, shardings)
-    if self.layout.split_layers:
+    if form is not None:
       self.params = weights.split_layers(self.params, self.model_config.num_layers)
     self.version = int(version)
     for cache in self.prefix_caches:  # Cached K/V came from the old weights.

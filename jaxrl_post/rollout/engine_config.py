@@ -64,7 +64,8 @@ class EngineConfig:
   # Each width a job reaches is one more decode program to compile (see rollout.compact).
   decode_buckets: int = 4
   prefix_cache: bool = False
-  # None: on a GPU mesh only (see rollout.weights; costs one more copy of the weights).
+  # None: on a GPU mesh (and a TPU one for MoE), see rollout.weights. A run's weight sync
+  # writes the split form itself, so the weights are held once either way.
   split_layers: bool | None = None
 
   def __post_init__(self):

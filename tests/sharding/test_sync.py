@@ -5,12 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_post.models import LoraConfig, abstract_model
 from jaxrl_post.models.transformer import is_adapter, logical_axes, params_of, split_adapters
 from jaxrl_post.sharding import (MeshConfig, PartialSync, PlacementConfig, SyncConfig,
                                  WeightSync, build_meshes)
 from jaxrl_post.sharding import hosts
+from jaxrl_post.rollout.weights import SplitLayers, is_split
 from tests.sharding.helpers import CFG, batch, logits_fn, sharded_init
 
 PLACEMENTS = {
@@ -124,6 +126,65 @@ def test_lora_sync_moves_only_the_adapters(placement):
   assert jax.tree.structure(moving) == jax.tree.structure(adapters)
   back = sync.with_moving(weights.params, jax.tree.map(jnp.zeros_like, moving))
   assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(split_adapters(back)[0]))
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_a_sync_in_the_engines_per_layer_form_writes_each_layer_once(placement):
+  """A split engine's weights are the sync's output: the layers exist once, each layer's
+  buffers recycled in place by the next sync (colocated), values as the stacked sync's."""
+  meshes, stacked = make_sync(placement)
+  abstract = abstract_model(CFG)
+  form = SplitLayers(CFG.num_layers)
+  sync = WeightSync(meshes, logical_axes(abstract), params_of(abstract), SyncConfig(),
+                    form=form)
+  train = sharded_init(CFG, meshes.trainer, seed=3)
+  want = stacked.initial(train).params
+  rollout = sync.initial(train)
+  with no_host_transfers():
+    new = sync(train, rollout)
+  assert is_split(new.params) and len(new.params["layers"]) == CFG.num_layers
+  assert all(x.is_deleted() for x in jax.tree.leaves(rollout.params))  # recycled / freed
+  for i, layer in enumerate(new.params["layers"]):
+    for name, w in layer.items():
+      np.testing.assert_array_equal(np.asarray(w), np.asarray(want["layers"][name][i]))
+      spec = tuple(want["layers"][name].sharding.spec)[1:]
+      layer_sharding = NamedSharding(meshes.rollout, P(*spec))
+      assert w.sharding.is_equivalent_to(layer_sharding, w.ndim), (name, w.sharding)
+  np.testing.assert_array_equal(np.asarray(new.params["embed"]), np.asarray(want["embed"]))
+  if placement == "colocated":  # Every output buffer is a donated input's.
+    hlo = sync.compiled_text(train, new.params)
+    header = hlo.splitlines()[0]  # HloModule ..., input_output_alias={ {0}: (12, {}, ...
+    assert header.count("may-alias)") + header.count("must-alias)") == len(
+        jax.tree.leaves(new.params))
+
+
+def test_a_lora_sync_in_the_per_layer_form_keeps_its_base_and_moves_the_adapters():
+  cfg = CFG.replace(lora=LoraConfig(rank=4, targets=("wq", "w_up")))
+  meshes = build_meshes(PLACEMENTS["colocated"])
+  abstract = abstract_model(cfg)
+  sync = PartialSync(meshes, logical_axes(abstract), params_of(abstract), SyncConfig(),
+                     moves=is_adapter, form=SplitLayers(cfg.num_layers))
+  train = sharded_init(cfg, meshes.trainer, seed=4)
+  weights = sync.initial(train)
+  assert is_split(weights.params)
+  base = {id(w) for layer in weights.params["layers"] for n, w in layer.items()
+          if "_lora_" not in n}
+  trained = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 1 if is_adapter(path) else x, train)
+  with no_host_transfers():
+    new = sync(trained, weights)
+  for i, layer in enumerate(new.params["layers"]):
+    for name, w in layer.items():
+      want = trained["layers"][name][i].astype(jnp.bfloat16)
+      np.testing.assert_array_equal(np.asarray(w), np.asarray(want))
+  assert base == {id(w) for layer in new.params["layers"] for n, w in layer.items()
+                  if "_lora_" not in n}
+  moving = sync.moving(new.params)  # What a checkpoint keeps: each layer's adapters.
+  assert all(set(layer) == {"wq_lora_a", "wq_lora_b", "w_up_lora_a", "w_up_lora_b"}
+             for layer in moving["layers"])
+  back = sync.with_moving(new.params, jax.tree.map(jnp.zeros_like, moving))
+  assert is_split(back) and all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(
+      sync.moving(back)))
 
 
 def test_bytes_and_schedule():

@@ -1,0 +1,38 @@
+"""A run whose engine holds its layers one buffer per layer (a GPU's form) keeps them
+once: the weight sync writes that form and the engine decodes from the sync's buffers."""
+
+import dataclasses
+
+import jax
+
+from tests.pipeline.test_overlap import _experiment
+
+
+def _ids(tree) -> list[int]:
+  return [id(x) for x in jax.tree.leaves(tree)]
+
+
+def test_the_engine_decodes_from_the_syncs_own_per_layer_buffers(tmp_path):
+  from jaxrl_post.pipeline.loop import RLRun
+  from jaxrl_post.rollout.weights import is_split
+  from jaxrl_post.telemetry import StepTimer
+
+  exp = _experiment()
+  engine = dataclasses.replace(exp.rollout.engine, split_layers=True)
+  exp = dataclasses.replace(exp, task=dataclasses.replace(exp.task, delay=0.0),
+                            rollout=dataclasses.replace(exp.rollout, prompts_per_step=2,
+                                                        max_new_tokens=8, engine=engine))
+  run = RLRun(exp, str(tmp_path), log=lambda message: None)
+  try:
+    run.start()
+    assert is_split(run.rollout.params) and is_split(run.engine.params)
+    assert _ids(run.engine.params) == _ids(run.rollout.params)
+    first = run.rollout.params["layers"][0]["wq"]
+    timer = StepTimer()
+    timer.start()
+    metrics = run.step(1, timer)  # Trains, then syncs into the same buffers.
+    assert metrics["sync/bytes"] > 0 and run.rollout.version == 1
+    assert _ids(run.engine.params) == _ids(run.rollout.params)
+    assert first.is_deleted()  # Donated to the new version, not kept beside it.
+  finally:
+    run.close()
