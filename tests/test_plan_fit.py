@@ -135,3 +135,30 @@ def test_plan_fit_on_the_quickstart_prints_json_candidates():
   assert (only["bindings"], only["moves"], only["fits"]) == ([], [], True)
   assert only["peak_gb_per_device"] > 0
   assert only["predicted_step_s"] > 0
+
+
+def test_slots_grow_to_what_the_pool_holds_up_to_a_steps_samples():
+  """A pool with room for more sequences than the slots decode at once: the move binds as
+  many slots as it holds (fewer decode waves: a faster predicted step), never more than
+  the step's samples."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  base = ["EngineConfig.num_slots = 4", "EngineConfig.group_slots = 2"]
+  experiment = lambda b: _experiment([*base, *b])
+  samples = experiment([]).rollout.prompts_per_step * experiment([]).rollout.group_size
+  per_slot = 100
+
+  def plan_with(held):
+    def plan(bindings):
+      n = experiment(bindings).rollout.engine.num_slots
+      return {"fits": n <= held, "peak_gb_per_device": 4.0,
+              "predicted_s": {"step": -(-samples // n)},  # one wave per num_slots samples
+              "memory_gb": {"train": {"temp": 0.0}},
+              "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.3},
+              "kv_tokens": held * per_slot, "kv_tokens_needed": n * per_slot}
+    return plan
+
+  found = fit.search(plan_with(11), experiment, mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == ("slots to the pool",)
+  assert found[0].bindings == ("EngineConfig.num_slots = 10",)  # whole blocks of 2
+  found = fit.search(plan_with(10 * samples), experiment, mesh, budget=6, log=lambda l: None)
+  assert found[0].bindings == (f"EngineConfig.num_slots = {samples}",)

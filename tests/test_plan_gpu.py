@@ -1,5 +1,6 @@
 """The rollout's decode loop as XLA:GPU compiles it for an H100, on this CPU host (the
-gpu-plan extra: jax's CUDA plugin and ptxas): each layer's weights are read in place.
+gpu-plan extra: jax's CUDA plugin and ptxas): each layer's weights are read in place, and
+no step reads a control flag back to the host.
 
 XLA:GPU copies a scanned layer's slice of a stacked weight into a buffer of its own
 before a matmul reads it; on a GPU the engine holds its weights one buffer per layer
@@ -57,6 +58,8 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   assert "slice_copy" not in split and "copy" not in split, split
   # A layer is a handful of launches: norms, 4 matmuls, the K/V write, attention, adds.
   assert launches["split"]["total"] <= 3 * 20 + 20, launches["split"]
+  # No flag read back per step: the loop runs a trip count XLA knows, sampling no cond.
+  assert launches["split"]["flag_reads"] == 0 and "conditional" not in split, launches
 
 
 _PREFILL = """
@@ -95,3 +98,41 @@ def test_the_prefill_kernel_compiles_for_an_h100_at_every_head_dim():
   # plan counts the call as the kernel does: 4 x rows x KV heads x query rows (24 tokens x
   # 3 heads, padded to a block of 128) x keys (64 pages of 16) x head_dim.
   assert int(lines[0][2]) == 4 * 12 * 3 * 128 * 64 * 16 * 64
+
+
+_SAMPLING = """
+from jaxrl_post.plan import targets
+target = targets.resolve("h100x8")
+targets.prepare(target)
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxrl_post.plan.hlo_cost import parse
+from jaxrl_post.rollout.sampling import sample_with_floors
+from jaxrl_post.sharding import ROLLOUT_RULES, MeshConfig, activation_rules, make_mesh
+mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2), list(targets.target_devices(target).devices))
+b, v = 64, 128256  # Llama 3's vocabulary, its logits split over tensor as the LM head's
+s = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+rows = lambda dt: s((b,), dt, P("data"))
+
+def draw(logits, keys, t, k, p):
+  with activation_rules(ROLLOUT_RULES, mesh):
+    return sample_with_floors(logits, keys, t, k, p, True, True, shortcuts=False)
+
+with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+  text = jax.jit(draw).trace(s((b, v), jnp.float32, P("data", "tensor")),
+                             rows(jax.random.key(0).dtype), rows(jnp.float32), rows(jnp.int32),
+                             rows(jnp.float32)).lower().compile().as_text()
+computations, _ = parse(text)
+print(sum(i.opcode in ("while", "conditional") for c in computations.values() for i in c))
+"""
+
+
+@pytest.mark.skipif(not targets.has_cuda_compiler(),
+                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
+def test_sampling_over_a_tensor_split_vocabulary_runs_no_loop_on_gpus():
+  """The inverse-CDF draw's cumulative sum over vocabulary blocks split between GPUs ran
+  as a loop of one step per block (2,004 for Llama 3: 14,000 launches per decode step)."""
+  out = subprocess.run([sys.executable, "-c", _SAMPLING], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.strip().splitlines()[-1] == "0"

@@ -96,6 +96,24 @@ def test_cost_walker_counts_scanned_layers_by_their_trip_count():
     assert cost.bytes >= n * 128 * 128 * 4  # every layer's weights are read
 
 
+def test_cost_walker_counts_a_predicated_conds_branches_and_its_flag_reads():
+  """lax.cond on a bool compiles to a conditional naming true/false computations: its
+  costlier branch is counted, and its flag, and a data-dependent loop exit's, are reads."""
+  def loop(w, x, flag):
+    def body(carry):
+      i, h = carry
+      h = jax.lax.cond(flag, lambda h: jnp.tanh(h @ w), lambda h: h, h)
+      return i + 1, h
+    return jax.lax.while_loop(lambda c: (c[0] < 4) & (c[1][0, 0] < 9.0), body, (0, x))[1]
+
+  w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  text = jax.jit(loop).lower(w, x, jax.ShapeDtypeStruct((), jnp.bool_)).compile().as_text()
+  assert hlo_cost.program_cost(text).flops >= 2 * 16 * 128 * 128
+  launches = hlo_cost.loop_launches(text)
+  assert launches["flag_reads"] == 2 and launches["by_kind"]["conditional"] == 1, launches
+
+
 def test_targets_name_the_published_slices():
   v5p = targets.resolve("v5p-8")
   assert (v5p.chips, v5p.topology, v5p.platform) == (4, "v5p:2x2x1", "tpu")

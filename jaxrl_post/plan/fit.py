@@ -11,9 +11,10 @@ search is greedy over moves that each relieve one part of a device's memory:
 * rollout tensor x2: the engine's weights and KV heads split over twice the devices
   instead of replicated (fewer, wider decode replicas);
 * slots to the pool: as many decode slots as the KV pool of the config as it is holds at
-  the longest sequence (whole cascade blocks per data shard), where it holds fewer than
-  the config's slots; the other moves only free memory, so the pool they leave holds at
-  least as many.
+  the longest sequence (whole cascade blocks per data shard, at most a step's samples):
+  fewer where it is short of the config's slots, more where it holds more (fewer decode
+  waves); the other moves only free memory, so the pool they leave holds at least as
+  many.
 
 A local search over sets of moves. While the config does not fit, the move whose
 estimated saving (from the last plan's memory breakdown) is largest is planned next and
@@ -91,8 +92,9 @@ def _rollout_tensor(exp, mesh, base):
 
 
 def _slots(exp, mesh, base):
-  """The slots the base plan's pool holds at the longest sequence, in whole blocks of
-  group_slots per data shard; None where it holds the config's slots (or not one block)."""
+  """The slots the base plan's pool holds at the longest sequence, at most a step's
+  samples, in whole blocks of group_slots per data shard; None where that is the
+  config's own number (or not one block)."""
   from jaxrl_post.rollout.layout import batch_shards
 
   eng, data = exp.rollout.engine, batch_shards(mesh)
@@ -101,8 +103,9 @@ def _slots(exp, mesh, base):
   per_shard = eng.num_slots // data
   per_slot = base["kv_tokens_needed"] // max(per_shard, 1)  # tokens of one slot's sequence
   unit = max(eng.group_slots, 1)
-  held = base["kv_tokens"] // max(per_slot, 1) // unit * unit
-  if held < unit or held >= per_shard:
+  samples = -(-exp.rollout.prompts_per_step * exp.rollout.group_size // data)
+  held = min(base["kv_tokens"] // max(per_slot, 1), max(samples, unit)) // unit * unit
+  if held < unit or held == per_shard:
     return None
   return {"EngineConfig.num_slots": held * data}
 

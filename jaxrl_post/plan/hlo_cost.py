@@ -179,8 +179,7 @@ class _Walker:
       cost.add(self.computation(cond), trips)
       return cost
     if op == "conditional":
-      branches = re.findall(r"%([\w.\-]+)", _attr_list(instr.attrs, "branch_computations"))
-      costs = [self.computation(b) for b in branches] or [Cost()]
+      costs = [self.computation(b) for b in _branches(instr)] or [Cost()]
       return max(costs, key=lambda c: c.bytes)
     if op == "call":
       return self.computation(_attr(instr.attrs, "to_apply"))
@@ -358,6 +357,14 @@ def _attr(attrs: str, key: str) -> str:
   return match.group(1) if match else ""
 
 
+def _branches(instr: Instr) -> list[str]:
+  """A conditional's branch computations: an indexed one lists them, a predicated one
+  (lax.cond on a bool) names its true and false computations."""
+  named = [_attr(instr.attrs, f"{side}_computation") for side in ("true", "false")]
+  return re.findall(r"%([\w.\-]+)", _attr_list(instr.attrs, "branch_computations")) + [
+      b for b in named if b]
+
+
 def _attr_list(attrs: str, key: str) -> str:
   match = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
   return match.group(1) if match else ""
@@ -429,11 +436,20 @@ def _launch_kind(instr: Instr, comps: dict[str, list[Instr]]) -> str:
   return instr.opcode
 
 
+def _known_trips(loop: Instr) -> bool:
+  return '"known_trip_count"' in loop.attrs
+
+
 def loop_launches(hlo_text: str) -> Optional[dict]:
   """Device launches per iteration of the entry computation's main while loop (the decode
   loop: per decode step), by kind, nested loops counted by their trip counts; None when
   the program has no loop. Each launch costs a few microseconds of scheduling whatever
-  it computes, which is what a decode step at small batch is made of."""
+  it computes, which is what a decode step at small batch is made of.
+
+  Also `flag_reads`: control-flow flags read per iteration -- each conditional, and the
+  exit test of each loop XLA does not know the trip count of. A GPU copies each to the
+  host and waits for the device to drain before it launches further: a stall per read.
+  """
   computations, entry = parse(hlo_text)
   loops = [i for i in computations.get(entry, []) if i.opcode == "while"]
   if not loops:
@@ -441,27 +457,34 @@ def loop_launches(hlo_text: str) -> Optional[dict]:
   walker = _Walker(computations)
   size = lambda loop: len(computations.get(_attr(loop.attrs, "body"), []))
   loop = max(loops, key=size)
-  counts: dict[str, float] = {}
 
-  def walk(name: str, times: float) -> None:
+  def walk(name: str, times: float) -> dict[str, float]:  # launches by kind, flag reads
+    counts: dict[str, float] = {}
+
+    def add(more: dict[str, float]) -> None:
+      for kind, n in more.items():
+        counts[kind] = counts.get(kind, 0) + n
+
     for instr in computations.get(name, []):
       if instr.opcode == "while":
         trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
-        walk(_attr(instr.attrs, "body"), times * trips)
-        walk(_attr(instr.attrs, "condition"), times * trips)
-      elif instr.opcode == "conditional":
-        branches = re.findall(r"%([\w.\-]+)",
-                              _attr_list(instr.attrs, "branch_computations"))
-        counts["conditional"] = counts.get("conditional", 0) + times
-        sizes = [(len(computations.get(b, [])), b) for b in branches]
-        if sizes:
-          walk(max(sizes)[1], times)
+        add({"flag_reads": 0.0 if _known_trips(instr) else times * (trips + 1)})
+        add(walk(_attr(instr.attrs, "body"), times * trips))
+        add(walk(_attr(instr.attrs, "condition"), times * trips))
+      elif instr.opcode == "conditional":  # The branch that launches most.
+        add({"conditional": times, "flag_reads": times})
+        taken = [walk(b, times) for b in _branches(instr)]
+        add(max(taken, key=lambda c: sum(n for k, n in c.items() if k != "flag_reads"),
+                default={}))
       elif instr.opcode == "call":
-        walk(_attr(instr.attrs, "to_apply"), times)
+        add(walk(_attr(instr.attrs, "to_apply"), times))
       elif instr.opcode not in _NO_LAUNCH:
-        kind = _launch_kind(instr, computations)
-        counts[kind] = counts.get(kind, 0) + times
+        add({_launch_kind(instr, computations): times})
+    return counts
 
-  walk(_attr(loop.attrs, "body"), 1.0)
-  walk(_attr(loop.attrs, "condition"), 1.0)
-  return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items()))}
+  counts = walk(_attr(loop.attrs, "body"), 1.0)
+  for kind, n in walk(_attr(loop.attrs, "condition"), 1.0).items():
+    counts[kind] = counts.get(kind, 0) + n
+  reads = counts.pop("flag_reads", 0.0) + (0.0 if _known_trips(loop) else 1.0)
+  return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items())),
+          "flag_reads": reads}

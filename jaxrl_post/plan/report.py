@@ -202,7 +202,7 @@ def _per_step(launches, layers: int) -> dict:
   if not launches:
     return {}
   return {"total": launches["total"], "per_layer": round(launches["total"] / layers, 1),
-          "by_kind": launches["by_kind"]}
+          "by_kind": launches["by_kind"], "flag_reads": launches["flag_reads"]}
 
 
 def _memory(mem: CompiledMemory) -> dict:
@@ -261,7 +261,8 @@ def text(plan: Plan) -> str:
   lines.append(f"decode bytes vs floor: {plan.decode_bytes_vs_floor:.2f}")
   if plan.decode_kernels_per_step:
     k = plan.decode_kernels_per_step
-    lines.append(f"decode kernels per step: {k['total']:.0f} ({k['per_layer']} per layer)")
+    lines.append(f"decode kernels per step: {k['total']:.0f} ({k['per_layer']} per layer, "
+                 f"{k['flag_reads']:.0f} control flags read back)")
   for buf in plan.largest_buffers:
     lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
   lines.extend(f"note: {n}" for n in plan.notes)

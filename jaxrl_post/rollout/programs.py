@@ -64,7 +64,8 @@ def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | N
                 window_map=None, *, cfg: ModelConfig, steps: int, layout: RolloutLayout,
                 width: int | None = None, rows: int | None = None, truncation: bool = True,
                 draws: bool = True):
-  """Up to `steps` decode steps for all slots; stops early once every slot is done.
+  """Up to `steps` decode steps for all slots; stops early once every slot is done (not
+  on a GPU, whose loop runs all `steps` so the host never waits on a flag: _decode_steps).
 
   `window_map` ([pages] int32, split_kv models only) maps each page id to the window page
   that holds its sliding layers' K/V (rollout.pages.WindowPages).
@@ -176,9 +177,15 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
 
+  # On a GPU every data-dependent branch is decided on the host: the loop's exit test and
+  # each lax.cond copy a flag back and drain the device before the next kernel launches,
+  # every step. There the loop runs its `steps` (a count XLA knows: no read-back) and
+  # sampling takes no runtime shortcut; slots that finish mid-call decode nothing.
+  on_device = mesh_platform(layout.mesh) != "gpu"
+
   def cond(carry):
     i, _, st = carry[:3]
-    return (i < steps) & jnp.any(st.active)
+    return (i < steps) & jnp.any(st.active) if on_device else i < steps
 
   def body(carry):
     i, pool, st, out_tokens, out_logprobs, out_experts, out_floors = carry
@@ -188,7 +195,7 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
                                                 adapters=adapters)
     keys = token_keys(st.seeds, st.sample_ids, st.num_generated)
     tok, lp, floor = sample_with_floors(logits, keys, st.temperature, st.top_k, st.top_p,
-                                        truncation, draws)
+                                        truncation, draws, shortcuts=on_device)
     on = st.active
     out_tokens = out_tokens.at[:, i].set(jnp.where(on, tok, -1))
     out_logprobs = out_logprobs.at[:, i].set(jnp.where(on, lp, 0.0))

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.sharding import constrain
 
 
 def check_sampling(temperature, top_k, top_p, max_tokens,
@@ -97,6 +98,9 @@ def truncate(scaled, top_k, top_p):  # [B, V] f32, [B] int32, [B] f32 -> [B, V],
   differs in the last bits still selects the same set.
   """
   v = scaled.shape[-1]
+  # Whole rows on each row's devices: the sort gathers them anyway, and the cumulative
+  # sum below over a vocabulary split between GPUs runs as a loop of one step per token.
+  scaled = constrain(scaled, ("batch", None))
   desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
   k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # [B]
   ranks = jnp.arange(v)[None, :]
@@ -154,6 +158,10 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
   peak = jnp.max(scaled, axis=-1, keepdims=True)
   p = jnp.exp(scaled - peak)  # Only reduced here: no [B, V] array is written.
   block_mass = jnp.pad(p, ((0, 0), (0, -v % blk))).reshape(b, -1, blk).sum(-1)  # [B, nb]
+  # Every block's mass on each row's devices before the cumulative sum: over blocks split
+  # between tensor shards, XLA:GPU runs it as a sequential loop of nb steps (2,004 for
+  # Llama 3 at tensor 2: 14,000 launches per decode step).
+  block_mass = constrain(block_mass, ("batch", None))
   block_cum = jnp.cumsum(block_mass, axis=-1)
   target = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * block_cum[:, -1]  # [B]
   block = jnp.sum(block_cum <= target[:, None], axis=-1, dtype=jnp.int32)
@@ -191,14 +199,21 @@ def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True,
 
 
 def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool = True,
-                       draws: bool = True):
+                       draws: bool = True, shortcuts: bool = True):
   """`sample`, and each row's kept-set floor [B] float32 on logits / temperature
-  (-inf where the row kept the whole vocabulary: no truncation, or greedy)."""
+  (-inf where the row kept the whole vocabulary: no truncation, or greedy).
+
+  `shortcuts` (static): skip, with lax.cond, the passes the rows turn out not to need.
+  Without (a GPU's decode loop, where each cond is decided on the host and drains the
+  device) every pass that `truncation` and `draws` keep runs: the same tokens.
+  """
   if not draws:  # Greedy generation and evaluation: a smaller program, quicker to compile.
     return _greedy(logits, keys, temperature, top_k, top_p)
+  mixed = functools.partial(_mixed, truncation=truncation, shortcuts=shortcuts)
+  if not shortcuts:
+    return mixed(logits, keys, temperature, top_k, top_p)
   # A batch of greedy rows only (evaluation, greedy generation) skips the scaling,
   # truncation and draw passes over [B, V], a large part of a decode step on a CPU.
-  mixed = functools.partial(_mixed, truncation=truncation)
   return jax.lax.cond(jnp.all(temperature <= 0.0), _greedy, mixed, logits, keys,
                       temperature, top_k, top_p)
 
@@ -217,11 +232,13 @@ def _greedy(logits, keys, temperature, top_k, top_p):
   return first_argmax(logits, best), -jnp.log(total), jnp.full(total.shape, -jnp.inf)
 
 
-def _mixed(logits, keys, temperature, top_k, top_p, truncation=True):
+def _mixed(logits, keys, temperature, top_k, top_p, truncation=True, shortcuts=True):
   greedy = temperature <= 0.0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
   cut, floor = scaled, jnp.full(greedy.shape, -jnp.inf)
-  if truncation:  # The sort behind it costs more than the rest: skip it when no row asks.
+  if truncation and not shortcuts:
+    cut, floor = truncate(scaled, top_k, top_p)
+  elif truncation:  # The sort behind it costs more than the rest: skip it when no row asks.
     needs_cut = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
     cut, floor = jax.lax.cond(needs_cut, truncate, lambda s, k, p: (s, floor), scaled,
                               top_k, top_p)

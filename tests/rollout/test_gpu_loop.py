@@ -1,0 +1,58 @@
+"""The decode loop as a GPU runs it -- all `steps` every call, no runtime branch in
+sampling (rollout.programs._decode_steps), so the host never waits on a flag -- decodes
+what the early-exit loop does: the same tokens, logprobs and kept-set floors, with slots
+finishing mid-call and samplers of every kind in one batch. The GPU form is traced here by
+telling the programs their mesh is a GPU's; XLA:CPU runs it."""
+
+import jax
+import numpy as np
+
+from jaxrl_post.rollout import SamplingParams, generate, programs, sampling
+from tests.rollout import helpers as H
+
+KINDS = (SamplingParams(temperature=0.0, max_tokens=5),  # greedy, stops mid-call
+         SamplingParams(temperature=0.9, max_tokens=13),
+         SamplingParams(temperature=0.7, top_k=5, max_tokens=9),
+         SamplingParams(temperature=1.0, top_p=0.8, max_tokens=17))
+
+
+def _decode(prompts):
+  engine = H.engine()
+  return [generate(engine, [p], n=2, sampling=s)[0] for p, s in zip(prompts, KINDS)]
+
+
+def test_the_gpu_decode_loop_decodes_what_the_early_exit_loop_does(monkeypatch):
+  prompts = H.prompts(np.random.default_rng(11), [3, 8, 14, 21])
+  want = _decode(prompts)
+  monkeypatch.setattr(programs, "mesh_platform", lambda mesh: "gpu")
+  jax.clear_caches()  # Traced anew: the same static arguments would reuse the CPU's trace.
+  try:
+    got = _decode(prompts)
+    assert programs._decode_gpu._cache_size() > 0  # The GPU's program decoded them.
+  finally:
+    jax.clear_caches()
+  for g_req, w_req in zip(got, want):
+    for g, w in zip(g_req, w_req):
+      assert g.tokens == w.tokens
+      np.testing.assert_allclose(g.logprobs, w.logprobs, atol=H.LOGPROB_TOL)
+
+
+def test_sampling_without_shortcuts_draws_the_same_tokens():
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(5)
+  logits = jnp.asarray(rng.normal(size=(6, 97)) * 3, jnp.float32)
+  keys = sampling.token_keys(jnp.arange(6, dtype=jnp.uint32), jnp.zeros(6, jnp.int32),
+                             jnp.zeros(6, jnp.int32))
+  temperature = jnp.asarray([0.0, 0.8, 1.0, 0.0, 0.6, 1.2], jnp.float32)
+  top_k = jnp.asarray([0, 0, 7, 3, 0, 0], jnp.int32)
+  top_p = jnp.asarray([1.0, 0.9, 1.0, 1.0, 1.0, 0.5], jnp.float32)
+  for temps in (temperature, jnp.zeros(6, jnp.float32)):  # mixed; greedy rows only
+    for truncation in (True, False):
+      args = (logits, keys, temps, top_k, top_p, truncation, True)
+      want = jax.jit(sampling.sample_with_floors, static_argnums=(5, 6))(*args)
+      got = jax.jit(lambda *a: sampling.sample_with_floors(*a, shortcuts=False),
+                    static_argnums=(5, 6))(*args)
+      np.testing.assert_array_equal(got[0], want[0])
+      np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+      np.testing.assert_array_equal(got[2], want[2])
