@@ -69,13 +69,18 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:  # [head
 
 
 def apply_rope(x, positions, inv_freq):  # [B, T, H, D], [B, T], [D/2] -> [B, T, H, D]
-  """Rotate-half RoPE (Hugging Face layout; GGUF weights are un-permuted to match)."""
+  """Rotate-half RoPE (Hugging Face layout; GGUF weights are un-permuted to match).
+
+  x * cos + rotate_half(x) * sin, written per half (the same products and sums): over
+  the whole head the halves' slices and the concatenation made XLA:GPU split a normed
+  key's rotation (Qwen3's k-norm) into five fusions, per half it makes one.
+  """
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
   half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos + rotated * sin
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def softcap(x, cap: Optional[float]):
