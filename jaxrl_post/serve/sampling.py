@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl_post.models.config import LoraConfig, ModelConfig
 from jaxrl_post.models.transformer import stack_adapters
-from jaxrl_post.rollout import Completion, Engine, Scheduler
+from jaxrl_post.rollout import Completion, Engine, Scheduler, weights
 from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.serve.adapters import ATTN, MLP, adapter_shapes
 from jaxrl_post.serve.requests import Sample
@@ -44,7 +44,11 @@ class Session:
 
 
 class _RankEngine:
-  """An engine of `slots` adapters of one rank; slot 0 stays the base (zeros)."""
+  """An engine of `slots` adapters of one rank; slot 0 stays the base (zeros).
+
+  `base` is in the engines' form (rollout.weights): with the layers split, each new set
+  of adapters is split per layer beside it, so swapping adapters never copies the base.
+  """
 
   def __init__(self, cfg: ModelConfig, base: dict, lora: LoraConfig, slots: int,
                engine_cfg: EngineConfig, mesh):
@@ -62,8 +66,12 @@ class _RankEngine:
     self.version = 0
 
   def _params(self) -> dict:
-    stacked = stack_adapters(self.adapters)
-    return {**self.base, "layers": {**self.base["layers"], **stacked["layers"]}}
+    stacked = stack_adapters(self.adapters)["layers"]
+    if not weights.is_split(self.base):
+      return {**self.base, "layers": {**self.base["layers"], **stacked}}
+    per_layer = weights.SplitLayers(len(self.base["layers"]))({"layers": stacked})["layers"]
+    return {**self.base, "layers": tuple({**b, **a} for b, a in zip(self.base["layers"],
+                                                                    per_layer))}
 
   def slots_for(self, weights: list[Optional[Weights]], clock: int) -> list[int]:
     """The slot of each (distinct) weights, writing those not held yet into the least
@@ -91,8 +99,10 @@ class Engines:
 
   def __init__(self, cfg: ModelConfig, base: dict, engine_cfg: EngineConfig, lora_alpha: float,
                slots: int, mesh=None):
-    self.cfg, self.base, self.engine_cfg, self.alpha, self.mesh = (cfg, base, engine_cfg,
-                                                                   lora_alpha, mesh)
+    self.cfg, self.engine_cfg, self.alpha, self.mesh = cfg, engine_cfg, lora_alpha, mesh
+    # One copy of the base for every rank's engine, in their form (split on a GPU).
+    form = weights.engine_form(cfg, mesh, engine_cfg.split_layers)
+    self.base = base if form is None else weights.split_layers(base, cfg.num_layers)
     self.slots = slots
     self._engines: dict[int, _RankEngine] = {}
     self._clock = 0

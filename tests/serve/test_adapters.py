@@ -1,6 +1,7 @@
 """Batched multi-LoRA: one program over several adapters gives each adapter exactly what
 it would get alone, and optim_step moves only its own adapter (AdamW as optax's)."""
 
+import dataclasses
 import os
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from jaxrl_post import models
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import LoraConfig
+from jaxrl_post.rollout import weights
 from jaxrl_post.models.transformer import init_model, params_of, split_adapters, with_params
 from jaxrl_post.serve import losses
 from jaxrl_post.serve.adapters import ATTN, MLP, AdamParams, AdapterBank, Row
@@ -147,3 +149,34 @@ def test_gspo_weighs_tokens_by_their_sequences_mean_ratio():
 def test_a_loss_mistake_is_one_line_naming_it(name, config, message):
   with pytest.raises(UserError, match=message):
     losses.resolve(name, config)
+
+
+def test_sampling_engines_that_split_their_layers_share_one_base_and_decode_the_same(base):
+  """On a GPU the sampler engines hold their layers one buffer per layer: the base is
+  split once for every rank's engine and a swap of adapters copies none of it."""
+  from jaxrl_post.rollout import EngineConfig, SamplingParams
+  from jaxrl_post.serve.requests import Sample
+  from jaxrl_post.serve.sampling import Engines, Weights
+
+  cfg, params = base
+  adapters = [Weights(4, _adapter(cfg, seed)) for seed in (1, 2, 3)]
+  sampling = SamplingParams(temperature=0.0, max_tokens=6)
+  jobs = [(w, Sample((5, 9, 2 + i), 1, sampling, 7, False), 7)
+          for i, w in enumerate([None, *adapters])]
+  engine_cfg = EngineConfig(num_slots=8, decode_steps=4)
+  out = {}
+  for split in (False, True):
+    engines = Engines(cfg, params, dataclasses.replace(engine_cfg, split_layers=split), 8.0,
+                      slots=3)
+    first = engines.sample(4, jobs[:3])  # the base and two adapters
+    held = engines._engine(4)
+    base_ids = {id(w) for layer in held.engine.params["layers"] for n, w in layer.items()
+                if "_lora_" not in n} if split else None
+    rest = engines.sample(4, jobs[3:])  # a third adapter takes a slot: new engine weights
+    if split:
+      assert weights.is_split(held.engine.params) and held.version == 2
+      assert base_ids == {id(w) for layer in held.engine.params["layers"]
+                          for n, w in layer.items() if "_lora_" not in n}
+      assert base_ids == {id(w) for layer in engines.base["layers"] for w in layer.values()}
+    out[split] = [[c.tokens for c in cs] for cs in first + rest]
+  assert out[True] == out[False]
