@@ -42,6 +42,11 @@ for split in (False, True):
   args = memory.decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
   text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
   out["split" if split else "stacked"] = loop_launches(text)
+# K and V of 36 GB (1,450,000 pages), the share of an H100 a run gives its pool: XLA:GPU
+# counted them twice and rematerialised the loop's fusions, K/V writes included.
+args = memory.decode_operands(cfg, 8, 1_450_001, 16, 4, "bfloat16", "bfloat16", 8, layout)
+text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
+out["big_pool"] = {**loop_launches(text), "remat": text.count(".remat")}
 print(json.dumps(out))
 """
 
@@ -60,6 +65,8 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   assert launches["split"]["total"] <= 3 * 20 + 20, launches["split"]
   # No flag read back per step: the loop runs a trip count XLA knows, sampling no cond.
   assert launches["split"]["flag_reads"] == 0 and "conditional" not in split, launches
+  big = launches["big_pool"]
+  assert big["remat"] == 0 and big["total"] == launches["split"]["total"], big
 
 
 _PREFILL = """

@@ -159,7 +159,7 @@ def _decode_weight_bytes(cfg: ModelConfig, params) -> int:
 def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLayout):
   """One packed prefill call: R rows of W tokens per data shard, each row reading the
   key pages of its chunks (at most its own pages plus one chunk's overhang)."""
-  from jaxrl_post.rollout.programs import prefill
+  from jaxrl_post.rollout.programs import prefill_program
   from jaxrl_post.rollout.prefill_pack import PackedRows
 
   rows = layout.data_shards * s.prefill_rows
@@ -170,8 +170,9 @@ def _lower_prefill(cfg: ModelConfig, params, pool, s: Shapes, layout: RolloutLay
                       key_pages=grid(key_pages), key_segments=grid(key_pages),
                       key_starts=grid(key_pages))
   last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=layout.replicated)
-  return prefill.lower(params, pool, packed, last, memory.window_map_operand(pool, layout),
-                       cfg=cfg, layout=layout)
+  return prefill_program(layout).lower(params, pool, packed, last,
+                                      memory.window_map_operand(pool, layout), cfg=cfg,
+                                      layout=layout)
 
 
 def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes,

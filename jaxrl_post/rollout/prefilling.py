@@ -116,7 +116,7 @@ class Prefilling:
       adapters = np.zeros(last.shape, np.int32)
       adapters[:len(prefixes)] = [p.sampling.adapter for p in prefixes]
       adapters = self.layout.put_replicated(adapters)
-    self.pool, logits, experts = programs.prefill(
+    self.pool, logits, experts = programs.prefill_program(self.layout)(
         self.params, self.pool, self.layout.put_rows(rows), self.layout.put_replicated(last),
         self._window_operand(), adapters, cfg=self.model_config, layout=self.layout)
     if experts is not None:

@@ -112,12 +112,19 @@ def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | N
 
 _DECODE_JIT = dict(static_argnames=("cfg", "steps", "layout", "width", "rows", "truncation",
                                    "draws"), donate_argnames=("pool", "state"))
+# XLA:GPU rematerialises fusions of a program whose live memory it counts above a share
+# of the device's (xla_gpu_memory_limit_slop_factor percent of what the arguments leave).
+# It counts the KV pool, which the rollout's programs update in place, as if it were
+# held twice, so a pool of a third of the GPU made XLA recompute fusions of every layer,
+# K/V writes included, at every step (Qwen3-0.6B on one H100: 255 rematerialised names
+# in the decode loop, 600 in prefill); the pool is sized to fit already (rollout.pages).
+GPU_POOL_OPTIONS = {"xla_gpu_memory_limit_slop_factor": 10_000}
 # XLA:GPU splits the contraction of a decode matmul (a few rows of activations against a
 # whole weight) into float32 partial sums, and each fusion that consumes the product (the
 # K and V page writes, the query's RoPE) re-reads all of them: at Llama-3.1-8B on 8 x H100
 # (tensor 2) that made the loop read 1.239x its floor of weights + KV; with one split it
 # reads 1.067x and launches 486 kernels per step instead of 550 (docs/BENCHMARKS.md).
-GPU_DECODE_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+GPU_DECODE_OPTIONS = {"xla_gpu_experimental_force_split_k": 1, **GPU_POOL_OPTIONS}
 _decode_jit = jax.jit(decode_loop, **_DECODE_JIT)
 _decode_gpu = jax.jit(decode_loop, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
 
@@ -215,7 +222,6 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
   return (pool, state, *outputs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("pool",))
 def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, window_map=None,
             adapters=None, *, cfg: ModelConfig, layout: RolloutLayout):
   """Packed prompt chunks into the pool; (pool, logits [C, V] after each chunk's last token,
@@ -230,6 +236,17 @@ def prefill(params, pool: KVPool, rows: prefill_pack.PackedRows, last, window_ma
   if experts is not None:
     experts = jax.lax.with_sharding_constraint(experts.astype(jnp.int16), layout.replicated)
   return pool, logits, experts
+
+
+_PREFILL_JIT = dict(static_argnames=("cfg", "layout"), donate_argnames=("pool",))
+_prefill_jit = jax.jit(prefill, **_PREFILL_JIT)
+_prefill_gpu = jax.jit(prefill, compiler_options=GPU_POOL_OPTIONS, **_PREFILL_JIT)
+
+
+def prefill_program(layout: RolloutLayout):
+  """prefill jitted for `layout`'s platform (call it, or `.lower` it, with prefill's
+  arguments): on a GPU with GPU_POOL_OPTIONS."""
+  return _prefill_gpu if mesh_platform(layout.mesh) == "gpu" else _prefill_jit
 
 
 # sample_first's operands after the logits: the rows, seeds, sample ids, temperatures,
