@@ -162,3 +162,31 @@ def test_slots_grow_to_what_the_pool_holds_up_to_a_steps_samples():
   assert found[0].bindings == ("EngineConfig.num_slots = 10",)  # whole blocks of 2
   found = fit.search(plan_with(10 * samples), experiment, mesh, budget=6, log=lambda l: None)
   assert found[0].bindings == (f"EngineConfig.num_slots = {samples}",)
+
+
+def test_a_config_that_fits_with_room_takes_a_lighter_remat_when_it_is_faster():
+  """Full remat recomputes each layer's forward in the backward pass; with memory to spare
+  the search steps down the ladder (full -> dots_no_batch) for a faster predicted step,
+  and not where the lighter policy would not fit."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  full = 'ModelSpec.overrides = {"remat": "full"}'
+  experiment = lambda b: _experiment([full, *b])
+  temp = {"full": 2.0, "dots_no_batch": 5.0, "dots": 9.0, "none": 14.0}
+
+  def plan_with(capacity):
+    def plan(bindings):
+      remat = experiment(bindings).model.overrides["remat"]
+      peak = 4.0 + temp[remat]
+      return {"fits": peak <= capacity, "peak_gb_per_device": peak,
+              "predicted_s": {"step": {"full": 4.0, "dots_no_batch": 3.2, "dots": 3.1,
+                                       "none": 3.0}[remat]},
+              "memory_gb": {"train": {"temp": temp[remat]}},
+              "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.1},
+              "kv_tokens": 100, "kv_tokens_needed": 50}
+    return plan
+
+  found = fit.search(plan_with(10.0), experiment, mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == ("remat lighter",) and found[0].step_s == 3.2
+  assert found[0].bindings == ('ModelSpec.overrides = {"remat": "dots_no_batch"}',)
+  found = fit.search(plan_with(7.0), experiment, mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == () and found[0].step_s == 4.0  # dots_no_batch needs 9 GB

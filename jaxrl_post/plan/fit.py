@@ -10,6 +10,9 @@ search is greedy over moves that each relieve one part of a device's memory:
 * reference bfloat16: half the frozen reference's resident copy;
 * rollout tensor x2: the engine's weights and KV heads split over twice the devices
   instead of replicated (fewer, wider decode replicas);
+* remat lighter: one step from the config's remat towards none (full -> dots_no_batch ->
+  dots -> none): less recompute in the backward pass for more memory, tried once a set
+  fits;
 * slots to the pool: as many decode slots as the KV pool of the config as it is holds at
   the longest sequence (whole cascade blocks per data shard, at most a step's samples):
   fewer where it is short of the config's slots, more where it holds more (fewer decode
@@ -76,6 +79,20 @@ def _remat(exp, mesh, base):
   return {"ModelSpec.overrides": {**exp.model.overrides, "remat": "full"}}
 
 
+# Remat policies from the most recompute (least memory) to none (models.config).
+_REMAT_LADDER = ("full", "dots_no_batch", "dots", "none")
+
+
+def _lighter_remat(exp, mesh, base):
+  """One step down the ladder: what the backward pass recomputes, kept instead (the
+  train step's FLOPs fall, its activations grow); None at "none"."""
+  remat = exp.model.overrides.get("remat", "none")
+  if remat not in _REMAT_LADDER[:-1]:
+    return None
+  lighter = _REMAT_LADDER[_REMAT_LADDER.index(remat) + 1]
+  return {"ModelSpec.overrides": {**exp.model.overrides, "remat": lighter}}
+
+
 def _reference(exp, mesh, base):
   if exp.reference.dtype == "bfloat16" or exp.trainer.loss.kl_coef <= 0:
     return None
@@ -123,6 +140,7 @@ MOVES = (
     Move("rollout tensor x2", _rollout_tensor,
          lambda p: p["resident_gb"]["rollout_weights"] / 2),
     Move("slots to the pool", _slots, lambda p: 2 * _kv_short(p)),
+    Move("remat lighter", _lighter_remat, lambda p: -p["memory_gb"]["train"]["temp"]),
 )
 
 
@@ -167,13 +185,14 @@ def _neighbours(current: Candidate, moves: frozenset) -> list[frozenset]:
   """Move sets one move away, in the order worth trying: while it does not fit, moves by
   their estimated saving; once it fits, first each move taken back (memory moves cost
   speed: micro-batches and remat recompute, narrower replicas decode fewer sequences at
-  once), then the others (one may free enough to take another back)."""
+  once), then the others, those that free least (or cost memory for speed) first."""
   adds = sorted((m for m in MOVES if m.name not in moves),
                 key=lambda m: -m.saving_gb(current.plan))
-  added = [moves | {m.name} for m in adds]
   if not current.fits:
-    return added
-  return [moves - {m.name} for m in MOVES if m.name in moves] + added
+    return [moves | {m.name} for m in adds]
+  # Fitting: the moves that free least first (those that cost memory buy speed).
+  return ([moves - {m.name} for m in MOVES if m.name in moves] +
+          [moves | {m.name} for m in reversed(adds)])
 
 
 def _better(nxt: Candidate, current: Candidate) -> bool:
