@@ -10,3 +10,4 @@ __version__ = "0.1.0"
 _checkout.install(__name__, _os.path.dirname(__file__))
 _libtpu.quiet_without_tpu()  # Before jax starts a backend: every command imports us first.
 _cuda.quiet_without_gpu()
+_cuda.share_gpu_memory()

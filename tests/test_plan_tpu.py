@@ -178,6 +178,20 @@ def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
   assert result["attention_backends"]["decode"] == "paged_attention triton"
   kernels = result["decode_kernels_per_step"]  # Each layer's weights read in place.
   assert kernels["total"] > 0 and "slice_copy" not in kernels["by_kind"], kernels
+  # What jax's allocator holds of the GPU in a run, not the whole 80 GB.
+  assert result["chip"]["hbm_bytes"] == pytest.approx(0.9 * 80e9)
+  assert any("XLA_PYTHON_CLIENT_MEM_FRACTION" in note for note in result["notes"])
+
+
+def test_a_run_takes_the_gpu_memory_share_unless_the_user_sets_one():
+  show = ("import os, jaxrl_post; from jaxrl_post import _cuda; "
+          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], _cuda.gpu_memory_share())")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+  for value, want in ((None, "0.9 0.9"), ("0.5", "0.5 0.5")):
+    run_env = env if value is None else {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": value}
+    out = subprocess.run([sys.executable, "-c", show], cwd=ROOT, env=run_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == want.split(), out.stderr[-2000:]
 
 
 def test_a_moe_models_decode_loop_reads_its_expert_weights_in_place_on_tpu():
