@@ -264,7 +264,8 @@ def sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
   most of its compile time."""
   keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
   out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p,
-                           truncation, draws)
+                           truncation, draws,  # No flag read back on a GPU (_decode_steps).
+                           shortcuts=mesh_platform(layout.mesh) != "gpu")
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
 
 
