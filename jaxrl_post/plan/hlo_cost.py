@@ -24,6 +24,7 @@ whose bound is not a constant counts once and is listed in `unknown_loops`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -436,6 +437,11 @@ def _launch_kind(instr: Instr, comps: dict[str, list[Instr]]) -> str:
   return instr.opcode
 
 
+def _add_counts(into: dict[str, float], more: dict[str, float]) -> None:
+  for kind, n in more.items():
+    into[kind] = into.get(kind, 0) + n
+
+
 def _known_trips(loop: Instr) -> bool:
   return '"known_trip_count"' in loop.attrs
 
@@ -460,11 +466,7 @@ def loop_launches(hlo_text: str) -> Optional[dict]:
 
   def walk(name: str, times: float) -> dict[str, float]:  # launches by kind, flag reads
     counts: dict[str, float] = {}
-
-    def add(more: dict[str, float]) -> None:
-      for kind, n in more.items():
-        counts[kind] = counts.get(kind, 0) + n
-
+    add = functools.partial(_add_counts, counts)
     for instr in computations.get(name, []):
       if instr.opcode == "while":
         trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
@@ -483,8 +485,7 @@ def loop_launches(hlo_text: str) -> Optional[dict]:
     return counts
 
   counts = walk(_attr(loop.attrs, "body"), 1.0)
-  for kind, n in walk(_attr(loop.attrs, "condition"), 1.0).items():
-    counts[kind] = counts.get(kind, 0) + n
+  _add_counts(counts, walk(_attr(loop.attrs, "condition"), 1.0))
   reads = counts.pop("flag_reads", 0.0) + (0.0 if _known_trips(loop) else 1.0)
   return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items())),
           "flag_reads": reads}

@@ -110,6 +110,13 @@ def decode_loop(params, pool: KVPool, state: SlotState, shared: SharedPrefix | N
           whole(out_experts), whole(out_floors))
 
 
+def _on_gpu(layout: RolloutLayout) -> bool:
+  """Whether the programs are for GPUs, which compile with options of their own and run
+  no data-dependent branch: XLA:GPU decides each (a loop's exit test, a lax.cond) on the
+  host, copying a flag back and draining the device before it launches further."""
+  return mesh_platform(layout.mesh) == "gpu"
+
+
 _DECODE_JIT = dict(static_argnames=("cfg", "steps", "layout", "width", "rows", "truncation",
                                    "draws"), donate_argnames=("pool", "state"))
 # XLA:GPU rematerialises fusions of a program whose live memory it counts above a share
@@ -132,7 +139,7 @@ _decode_gpu = jax.jit(decode_loop, compiler_options=GPU_DECODE_OPTIONS, **_DECOD
 def decode_program(layout: RolloutLayout):
   """decode_loop jitted for `layout`'s platform (call it, or `.lower` it, with
   decode_loop's arguments): on a GPU with GPU_DECODE_OPTIONS."""
-  return _decode_gpu if mesh_platform(layout.mesh) == "gpu" else _decode_jit
+  return _decode_gpu if _on_gpu(layout) else _decode_jit
 
 
 def _empty_outputs(cfg: ModelConfig, b: int, steps: int, truncation: bool):
@@ -184,11 +191,9 @@ def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, t
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)
 
-  # On a GPU every data-dependent branch is decided on the host: the loop's exit test and
-  # each lax.cond copy a flag back and drain the device before the next kernel launches,
-  # every step. There the loop runs its `steps` (a count XLA knows: no read-back) and
+  # On a GPU the loop runs its `steps` (a count XLA knows: no read-back, see _on_gpu) and
   # sampling takes no runtime shortcut; slots that finish mid-call decode nothing.
-  on_device = mesh_platform(layout.mesh) != "gpu"
+  on_device = not _on_gpu(layout)
 
   def cond(carry):
     i, _, st = carry[:3]
@@ -246,7 +251,7 @@ _prefill_gpu = jax.jit(prefill, compiler_options=GPU_POOL_OPTIONS, **_PREFILL_JI
 def prefill_program(layout: RolloutLayout):
   """prefill jitted for `layout`'s platform (call it, or `.lower` it, with prefill's
   arguments): on a GPU with GPU_POOL_OPTIONS."""
-  return _prefill_gpu if mesh_platform(layout.mesh) == "gpu" else _prefill_jit
+  return _prefill_gpu if _on_gpu(layout) else _prefill_jit
 
 
 # sample_first's operands after the logits: the rows, seeds, sample ids, temperatures,
@@ -264,8 +269,7 @@ def sample_first(logits, rows, seeds, sample_ids, temperature, top_k, top_p, *,
   most of its compile time."""
   keys = token_keys(seeds, sample_ids, jnp.zeros_like(sample_ids))
   out = sample_with_floors(jnp.take(logits, rows, axis=0), keys, temperature, top_k, top_p,
-                           truncation, draws,  # No flag read back on a GPU (_decode_steps).
-                           shortcuts=mesh_platform(layout.mesh) != "gpu")
+                           truncation, draws, shortcuts=not _on_gpu(layout))
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.replicated), out)
 
 
