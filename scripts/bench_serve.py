@@ -69,6 +69,7 @@ def main(argv=None) -> None:
   p.add_argument("--datums", type=int, default=4)
   p.add_argument("--tokens", type=int, default=128)
   p.add_argument("--rank", type=int, default=16)
+  p.add_argument("--repeats", type=int, default=3, help="each mode's best of this many")
   p.add_argument("--port", type=int, default=8791)
   p.add_argument("--base_url", default=None,
                  help="a server already running (--model must be what it serves)")
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     proc = None if args.base_url else _server(args.model, workdir, args.port, max(counts))
     try:
       service = tinker.ServiceClient(base_url=args.base_url or f"http://127.0.0.1:{args.port}")
-      clients = [service.create_lora_training_client(base_model=args.model, rank=args.rank)
+      clients = [service.create_lora_training_client(base_model=args.model, rank=args.rank).result()
                  for _ in range(max(counts))]
       vocab = 256  # Token ids every model has.
       rng = np.random.default_rng(0)
@@ -96,11 +97,13 @@ def main(argv=None) -> None:
       for a in counts:
         for concurrent in (True, False):  # Warm: compile every batch shape first.
           _measure(clients[:a], data, 3, concurrent, types)
-        row = {}
-        for concurrent in (True, False):
-          seconds = _measure(clients[:a], data, args.steps, concurrent, types)
-          row["concurrent" if concurrent else "sequential"] = round(
-              a * args.steps * tokens_per_step / seconds, 1)
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(args.repeats):  # Alternating, so a slow moment of the host hits both.
+          for concurrent in (True, False):
+            best[concurrent] = min(best[concurrent],
+                                   _measure(clients[:a], data, args.steps, concurrent, types))
+        row = {("concurrent" if c else "sequential"): round(a * args.steps * tokens_per_step / t, 1)
+               for c, t in best.items()}
         row["ratio"] = round(row["concurrent"] / row["sequential"], 2)
         results[str(a)] = row
       service.close("success").result()
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
       if proc is not None:
         proc.kill()
   print(json.dumps({"model": args.model, "rank": args.rank, "datums": args.datums,
-                    "tokens": args.tokens, "steps": args.steps,
+                    "tokens": args.tokens, "steps": args.steps, "repeats": args.repeats,
                     "tokens_per_s": results}))
 
 

@@ -161,12 +161,28 @@ class AdapterBank:
 
   def optim_step(self, slot: int, hp: AdamParams) -> dict[str, float]:
     """One AdamW step of `slot` on its accumulated gradient, which it then clears."""
-    self.steps[slot] += 1
-    scalars = {k: jnp.float32(v) for k, v in dataclasses.asdict(hp).items()}
-    self.lora, self.grads, self.mu, self.nu, norm = _adam(
-        self.lora, self.grads, self.mu, self.nu, jnp.int32(slot),
-        jnp.float32(self.steps[slot]), scalars)
-    return {"grad_norm": float(norm)}
+    return self.optim_steps([(slot, hp)])[0]
+
+  def optim_steps(self, steps: list[tuple[int, AdamParams]]) -> list[dict[str, float]]:
+    """One AdamW step of each (slot, hyperparameters) on the slot's accumulated gradient,
+    which it then clears: ONE program for all of them (the slots distinct), so adapters
+    whose clients step together pay one call. The slots are padded with others, left as
+    they are, to a power of two (bounded recompiles)."""
+    slots = [slot for slot, _ in steps]
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"optim_steps: slots {slots} repeat")
+    n = min(self.capacity, bucket(len(slots), 1))
+    pad = [s for s in range(self.capacity) if s not in slots][:n - len(slots)]
+    for slot in slots:
+      self.steps[slot] += 1
+    hps = [dataclasses.asdict(hp) for _, hp in steps] + [dataclasses.asdict(AdamParams())] * len(pad)
+    scalars = {k: jnp.asarray([hp[k] for hp in hps], jnp.float32) for k in hps[0]}
+    count = jnp.asarray([self.steps[s] for s in slots] + [1] * len(pad), jnp.float32)
+    live = jnp.asarray([True] * len(slots) + [False] * len(pad))
+    self.lora, self.grads, self.mu, self.nu, norms = _adam(
+        self.lora, self.grads, self.mu, self.nu, jnp.asarray(slots + pad, jnp.int32), live,
+        count, scalars)
+    return [{"grad_norm": float(x)} for x in np.asarray(norms)[:len(slots)]]
 
 
 def fresh_adapter(shapes: dict, seed: int) -> dict:
@@ -215,25 +231,30 @@ def _program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
-def _adam(lora, grads, mu, nu, slot, count, hp):
-  """AdamW on one slot: decoupled weight decay, optional global-norm clipping."""
-  take = lambda tree: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 1, False),
-                                   tree)
-  put = lambda tree, one: jax.tree.map(
-      lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, slot, 1), tree, one)
-  g, p, m, v = take(grads), take(lora), take(mu), take(nu)
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)))
+def _adam(lora, grads, mu, nu, slots, live, count, hp):
+  """AdamW on the k distinct `slots` where `live` ([k] each; count and every hp value [k],
+  per slot): decoupled weight decay, optional clipping of each slot's global norm."""
+  bank = {"lora": lora, "grads": grads, "mu": mu, "nu": nu}
+  old = jax.tree.map(lambda x: x[:, slots], bank)  # [L, k, ...] leaves
+  at = lambda a, x: a.reshape((1, -1) + (1,) * (x.ndim - 2))  # [k] -> broadcast over x
+  g = old["grads"]
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x), axis=(0, *range(2, x.ndim)))
+                      for x in jax.tree.leaves(g)))  # [k]
   clip = hp["grad_clip_norm"]
-  scale = jnp.where(clip > 0, jnp.minimum(1.0, clip / (norm + 1e-6)), 1.0)
+  g = jax.tree.map(lambda x: at(jnp.where(clip > 0, jnp.minimum(1.0, clip / (norm + 1e-6)),
+                                          1.0), x) * x, g)
   b1, b2 = hp["beta1"], hp["beta2"]
-  m = jax.tree.map(lambda m1, g1: b1 * m1 + (1 - b1) * g1 * scale, m, g)
-  v = jax.tree.map(lambda v1, g1: b2 * v1 + (1 - b2) * jnp.square(g1 * scale), v, g)
+  m = jax.tree.map(lambda m1, g1: at(b1, g1) * m1 + at(1 - b1, g1) * g1, old["mu"], g)
+  v = jax.tree.map(lambda v1, g1: at(b2, g1) * v1 + at(1 - b2, g1) * jnp.square(g1),
+                   old["nu"], g)
   c1, c2 = 1 - b1 ** count, 1 - b2 ** count
 
   def update(p1, m1, v1):
-    step = (m1 / c1) / (jnp.sqrt(v1 / c2) + hp["eps"]) + hp["weight_decay"] * p1
-    return p1 - hp["learning_rate"] * step
+    step = (m1 / at(c1, p1)) / (jnp.sqrt(v1 / at(c2, p1)) + at(hp["eps"], p1))
+    return p1 - at(hp["learning_rate"], p1) * (step + at(hp["weight_decay"], p1) * p1)
 
-  p = jax.tree.map(update, p, m, v)
-  zero = jax.tree.map(jnp.zeros_like, g)
-  return put(lora, p), put(grads, zero), put(mu, m), put(nu, v), norm
+  new = {"lora": jax.tree.map(update, old["lora"], m, v), "mu": m, "nu": v,
+         "grads": jax.tree.map(jnp.zeros_like, g)}
+  keep = lambda y, z: jnp.where(at(live, y), y, z)  # Padding slots stay as they were.
+  out = jax.tree.map(lambda x, y, z: x.at[:, slots].set(keep(y, z)), bank, new, old)
+  return out["lora"], out["grads"], out["mu"], out["nu"], norm

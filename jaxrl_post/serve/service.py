@@ -5,7 +5,7 @@ The HTTP handlers only check a request and queue it (answering a future's id at 
 the worker takes, in turn: control requests (new adapters), then the head of every
 training run's queue -- a run's requests run in seq_id order, one at a time, while
 forward_backward heads of several runs with the same loss run as ONE batched program
-(serve.adapters) -- then every queued sample request, decoded together per sampling
+(serve.adapters), and so do the optim_step heads of several runs -- then every queued sample request, decoded together per sampling
 session. A request that fails fails its own future only; the worker goes on.
 """
 
@@ -61,7 +61,16 @@ class Run:
   slot: int
   ops: list = dataclasses.field(default_factory=list)  # heap of Op
   seen: dict = dataclasses.field(default_factory=dict)  # seq_id -> request id
-  last_request: float = dataclasses.field(default_factory=time.time)
+  last_fb: float = 0.0  # time.monotonic() of its last forward_backward submission
+  fb_every: float = 0.0  # seconds between its last two (0: fewer than two yet)
+
+  def submitted_fb(self, now: float) -> None:
+    self.fb_every, self.last_fb = (now - self.last_fb if self.last_fb else 0.0), now
+
+  def expects_fb(self, now: float) -> bool:
+    """Whether its client, stepping at the pace of its last two forward_backwards, is
+    about to send the next one."""
+    return now - self.last_fb < 1.5 * self.fb_every
 
 
 @dataclasses.dataclass
@@ -231,7 +240,8 @@ class Service:
         return {"request_id": run.seen[seq_id], "model_id": run.model_id}
       rid = self.futures.create()
       run.seen[seq_id] = rid
-      run.last_request = time.time()
+      if kind == "forward_backward":
+        run.submitted_fb(time.monotonic())
       heapq.heappush(run.ops, Op(seq_id, next(self._order), kind, rid, work))
       self._cv.notify_all()
     return {"request_id": rid, "model_id": run.model_id}
@@ -245,10 +255,7 @@ class Service:
 
   def optim_step(self, body: dict) -> dict:
     run = self._run(R.field(body, "model_id", str))
-    hp = R.adam(body)
-    step = lambda: {"metrics": {f"optim/{k}": v for k, v in
-                                self.banks[run.rank].optim_step(run.slot, hp).items()}}
-    return self._queue(run, R.field(body, "seq_id", int), "optim_step", step)
+    return self._queue(run, R.field(body, "seq_id", int), "optim_step", R.adam(body))
 
   def save_weights(self, body: dict) -> dict:
     run = self._run(R.field(body, "model_id", str))
@@ -428,21 +435,24 @@ class Service:
           continue
         if self._stop:
           return
-        if self._others_due():  # Lets them join this batch (the lock is released meanwhile).
-          self._cv.wait(self.cfg.batch_wait_s)
+        # Lets the others join this batch (the lock is released meanwhile): until each has
+        # sent its request, or batch_wait_s has passed.
+        deadline = time.monotonic() + self.cfg.batch_wait_s
+        while self._others_due() and (left := deadline - time.monotonic()) > 0:
+          self._cv.wait(left)
         job = self._next_job()
       job()
 
   def _others_due(self) -> bool:
-    """Whether forward_backward requests wait while other recently active runs have none
-    queued yet: clients stepping in lockstep send theirs within moments of each other."""
+    """Whether the queued forward_backward requests wait for other runs' next one: clients
+    stepping in lockstep send theirs within moments of each other."""
     if self._control or self.cfg.batch_wait_s <= 0:
       return False
     waiting = [r for r in self.runs.values() if r.ops]
     if not waiting or any(r.ops[0].kind != "forward_backward" for r in waiting):
       return False
-    recent = time.time() - 2.0
-    return sum(r.last_request > recent for r in self.runs.values()) > len(waiting)
+    now = time.monotonic()
+    return any(r.expects_fb(now) for r in self.runs.values() if not r.ops)
 
   def _has_work(self) -> bool:
     return bool(self._control or self._samples or any(r.ops for r in self.runs.values()))
@@ -457,6 +467,8 @@ class Service:
       single = [(op, r) for op, r in heads if op.kind != "forward_backward"]
       if single and single[0][0].order <= heads[0][0].order:
         op, run = single[0]
+        if op.kind == "optim_step":
+          return self._optim_steps([(o, r) for o, r in single if o.kind == "optim_step"])
         heapq.heappop(run.ops)
         return lambda: self._resolve([op.rid], op.work)
       return self._batch(heads)
@@ -472,6 +484,19 @@ class Service:
       while run.ops and run.ops[0].kind == "forward_backward" and run.ops[0].work[0] == key:
         taken.append((heapq.heappop(run.ops), run))
     return lambda: self._guard([op.rid for op, _ in taken], lambda: self._run_batch(key, taken))
+
+  def _optim_steps(self, heads) -> Callable[[], None]:
+    """Every run whose next request is an optim_step: one optimizer program per rank."""
+    for _, run in heads:
+      heapq.heappop(run.ops)
+    return lambda: self._guard([op.rid for op, _ in heads], lambda: self._run_optims(heads))
+
+  def _run_optims(self, heads) -> None:
+    for rank in {run.rank for _, run in heads}:
+      part = [(op, run) for op, run in heads if run.rank == rank]
+      stats = self.banks[rank].optim_steps([(run.slot, op.work) for op, run in part])
+      for (op, _), metrics in zip(part, stats):
+        self.futures.resolve(op.rid, {"metrics": {f"optim/{k}": v for k, v in metrics.items()}})
 
   def _run_batch(self, key, taken) -> None:
     loss_fn, config, forward_only = key

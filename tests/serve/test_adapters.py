@@ -110,6 +110,41 @@ def test_optim_step_is_adamw_on_its_own_slot_only(base):
   assert not np.any(np.asarray(jax.tree.leaves(bank.grads)[0]))  # Cleared by the step.
 
 
+def test_one_optim_program_steps_several_slots_each_with_its_own_hyperparameters(base):
+  """Three adapters stepped together (padded to four slots with one that holds a gradient
+  of its own): each moves as optax's AdamW with its own settings and step count; the
+  padding slot keeps its weights, moments and gradient."""
+  cfg, params = base
+  bank = AdapterBank(cfg, params, LORA, capacity=5)
+  slots = [bank.allocate(i) for i in range(4)]
+  stepped, pad = slots[:3], slots[3]
+  hps = [AdamParams(learning_rate=1e-2), AdamParams(learning_rate=3e-3, beta1=0.5),
+         AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1e-3)]
+  refs = [optax.chain(optax.clip_by_global_norm(hp.grad_clip_norm) if hp.grad_clip_norm
+                      else optax.identity(),
+                      optax.adamw(hp.learning_rate, hp.beta1, hp.beta2, hp.eps,
+                                  weight_decay=hp.weight_decay)) for hp in hps]
+  want = [bank.adapter(s) for s in stepped]
+  states = [ref.init(w) for ref, w in zip(refs, want)]
+  bank.optim_step(stepped[0], hps[0])  # Slot 0 is one step ahead: its own bias correction.
+  want[0], states[0] = bank.adapter(stepped[0]), refs[0].update(
+      jax.tree.map(jnp.zeros_like, want[0]), states[0], want[0])[1]
+  for i, slot in enumerate(slots):
+    bank.forward_backward(_rows(slot, 20 + i, (6,), cfg.vocab_size), "cross_entropy", {}, False)
+  grads = [jax.tree.map(lambda x: x[:, s], bank.grads) for s in slots]
+  pad_before = (bank.adapter(pad), bank.optimizer_state(pad), grads[3])
+  norms = bank.optim_steps(list(zip(stepped, hps)))
+  for i, slot in enumerate(stepped):
+    updates, _ = refs[i].update(grads[i], states[i], want[i])
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7),
+                 bank.adapter(slot), optax.apply_updates(want[i], updates))
+    np.testing.assert_allclose(norms[i]["grad_norm"], optax.tree.norm(grads[i]), rtol=1e-5)
+  pad_after = (bank.adapter(pad), bank.optimizer_state(pad),
+               jax.tree.map(lambda x: x[:, pad], bank.grads))
+  jax.tree.map(np.testing.assert_array_equal, pad_after, pad_before)
+  assert not any(np.any(np.asarray(x[:, stepped])) for x in jax.tree.leaves(bank.grads))
+
+
 def _numpy_loss(name, lp, q, adv, w, cfg):
   ratio = np.exp(lp - q)
   clip = np.clip(ratio, cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2))
