@@ -82,6 +82,7 @@ class AdapterBank:
     self.lora, self.grads, self.mu, self.nu = (place(_stack(self.shapes, capacity))
                                                for _ in range(4))
     self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
+    self.targets = {}  # slot -> the matrices its optimizer trains (the others stay as made)
     self.free = list(range(capacity))
     self.scratch = 0  # Slots set aside for the caller's own use (reserve).
 
@@ -92,14 +93,16 @@ class AdapterBank:
 
   # ---------------------------------------------------------------- slots
 
-  def allocate(self, seed: int) -> int:
-    """A slot holding a fresh adapter (A random, B zero: a no-op until trained)."""
+  def allocate(self, seed: int, targets: tuple[str, ...] = ATTN + MLP) -> int:
+    """A slot holding a fresh adapter (A random, B zero: a no-op until trained) whose
+    optimizer trains the adapters of `targets` only (Tinker's train_attn / train_mlp)."""
     if not self.free:
       raise UserError(f"create_model: all {self.capacity - self.scratch} adapter slots of rank "
                       f"{self.cfg.lora.rank} are in use (start the server with a larger "
                       "ServeConfig.max_adapters)")
     slot = self.free.pop(0)
     self.set_adapter(slot, fresh_adapter(self.shapes, seed), None)
+    self.targets[slot] = tuple(targets)
     return slot
 
   def release(self, slot: int) -> None:
@@ -178,10 +181,13 @@ class AdapterBank:
     hps = [dataclasses.asdict(hp) for _, hp in steps] + [dataclasses.asdict(AdamParams())] * len(pad)
     scalars = {k: jnp.asarray([hp[k] for hp in hps], jnp.float32) for k in hps[0]}
     count = jnp.asarray([self.steps[s] for s in slots] + [1] * len(pad), jnp.float32)
+    targets = [self.targets.get(s, ATTN + MLP) for s in slots] + [()] * len(pad)
+    trains = {"layers": {name: jnp.asarray([name.rsplit("_lora_", 1)[0] in t for t in targets])
+                         for name in self.shapes["layers"]}}  # [k] per matrix: live and trained
     live = jnp.asarray([True] * len(slots) + [False] * len(pad))
     self.lora, self.grads, self.mu, self.nu, norms = _adam(
         self.lora, self.grads, self.mu, self.nu, jnp.asarray(slots + pad, jnp.int32), live,
-        count, scalars)
+        trains, count, scalars)
     return [{"grad_norm": float(x)} for x in np.asarray(norms)[:len(slots)]]
 
 
@@ -231,13 +237,16 @@ def _program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
-def _adam(lora, grads, mu, nu, slots, live, count, hp):
-  """AdamW on the k distinct `slots` where `live` ([k] each; count and every hp value [k],
-  per slot): decoupled weight decay, optional clipping of each slot's global norm."""
+def _adam(lora, grads, mu, nu, slots, live, trains, count, hp):
+  """AdamW on the k distinct `slots`: decoupled weight decay, optional clipping of each
+  slot's global norm. count and every hp value are [k], per slot; `trains` (lora's tree of
+  [k] bools) says which matrices of which slots it updates, the others keeping their
+  weights and moments; the gradients of the `live` slots are cleared (a padding slot's
+  stays)."""
   bank = {"lora": lora, "grads": grads, "mu": mu, "nu": nu}
   old = jax.tree.map(lambda x: x[:, slots], bank)  # [L, k, ...] leaves
   at = lambda a, x: a.reshape((1, -1) + (1,) * (x.ndim - 2))  # [k] -> broadcast over x
-  g = old["grads"]
+  g = jax.tree.map(lambda x, t: jnp.where(at(t, x), x, 0.0), old["grads"], trains)
   norm = jnp.sqrt(sum(jnp.sum(jnp.square(x), axis=(0, *range(2, x.ndim)))
                       for x in jax.tree.leaves(g)))  # [k]
   clip = hp["grad_clip_norm"]
@@ -255,6 +264,8 @@ def _adam(lora, grads, mu, nu, slots, live, count, hp):
 
   new = {"lora": jax.tree.map(update, old["lora"], m, v), "mu": m, "nu": v,
          "grads": jax.tree.map(jnp.zeros_like, g)}
-  keep = lambda y, z: jnp.where(at(live, y), y, z)  # Padding slots stay as they were.
-  out = jax.tree.map(lambda x, y, z: x.at[:, slots].set(keep(y, z)), bank, new, old)
+  which = {"lora": trains, "mu": trains, "nu": trains,
+           "grads": jax.tree.map(lambda _: live, trains)}
+  out = {name: jax.tree.map(lambda x, y, z, t: x.at[:, slots].set(jnp.where(at(t, y), y, z)),
+                            bank[name], new[name], old[name], which[name]) for name in bank}
   return out["lora"], out["grads"], out["mu"], out["nu"], norm

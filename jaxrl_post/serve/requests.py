@@ -69,6 +69,15 @@ def _check_ids(where: str, ids: np.ndarray, vocab: int) -> None:
     raise UserError(f"{where}: token id {int(bad[0])} is outside the vocabulary (0 to {vocab - 1})")
 
 
+def lora_targets(lora: dict, attn: tuple[str, ...], mlp: tuple[str, ...]) -> tuple[str, ...]:
+  """The matrices create_model's lora_config trains: attention's and/or the MLP's."""
+  targets = ((attn if field(lora, "train_attn", bool, True) else ())
+             + (mlp if field(lora, "train_mlp", bool, True) else ()))
+  if not targets:
+    raise UserError("lora_config: train_attn and train_mlp are both false: nothing to train")
+  return targets
+
+
 def adam(body: dict) -> AdamParams:
   if body.get("optimizer_params") is not None:
     given = body["optimizer_params"]

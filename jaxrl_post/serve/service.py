@@ -30,7 +30,7 @@ from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.serve import requests as R
 from jaxrl_post.serve import store as S
 from jaxrl_post.serve import wire
-from jaxrl_post.serve.adapters import AdapterBank, Row
+from jaxrl_post.serve.adapters import ATTN, MLP, AdapterBank, Row
 from jaxrl_post.serve.config import ServeConfig
 from jaxrl_post.serve.futures import Futures
 from jaxrl_post.serve.sampling import Engines, Session, Weights, seeds, snapshot
@@ -59,6 +59,7 @@ class Run:
   base_model: str
   rank: int
   slot: int
+  targets: tuple[str, ...] = ATTN + MLP  # the matrices its optimizer trains
   ops: list = dataclasses.field(default_factory=list)  # heap of Op
   seen: dict = dataclasses.field(default_factory=dict)  # seq_id -> request id
   last_fb: float = 0.0  # time.monotonic() of its last forward_backward submission
@@ -208,13 +209,14 @@ class Service:
     if optimizer.get("type", "adamw") != "adamw":
       raise UserError(f"optimizer_config.type: {optimizer.get('type')!r} is not supported (adamw)")
     seed = R.field(lora, "seed", int, int(self._rng.integers(0, 2**31)))
+    targets = R.lora_targets(lora, ATTN, MLP)
     model_id = f"{session}:train:{seq}"
 
     def create():
       if session in self._ended:
         raise UserError(f"session_id: session {session} has ended")
-      slot = self._bank(rank).allocate(seed)
-      self._add_run(Run(model_id, base, rank, slot))
+      slot = self._bank(rank).allocate(seed, targets)
+      self._add_run(Run(model_id, base, rank, slot, targets))
       return {"type": "create_model", "model_id": model_id}
 
     return {"request_id": self._control_op(create), "model_id": model_id}
@@ -270,7 +272,8 @@ class Service:
     return self._queue(run, R.field(body, "seq_id", int), "save_weights", save)
 
   def _meta(self, run: Run) -> dict:
-    return {"base_model": run.base_model, "rank": run.rank, "model_id": run.model_id}
+    return {"base_model": run.base_model, "rank": run.rank, "model_id": run.model_id,
+            "targets": list(run.targets)}
 
   def save_weights_for_sampler(self, body: dict) -> dict:
     run = self._run(R.field(body, "model_id", str))
@@ -311,7 +314,9 @@ class Service:
     def create():
       if session in self._ended:
         raise UserError(f"session_id: session {session} has ended")
-      run = Run(model_id, meta["base_model"], meta["rank"], self._bank(meta["rank"]).allocate(0))
+      targets = _targets(meta)
+      run = Run(model_id, meta["base_model"], meta["rank"],
+                self._bank(meta["rank"]).allocate(0, targets), targets)
       self._add_run(run)
       return self._load_into(run, path, meta, optimizer)
 
@@ -423,7 +428,8 @@ class Service:
   def weights_info(self, body: dict) -> dict:
     meta = self.store.meta(R.field(body, "tinker_path", str))
     return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": meta["rank"],
-            "train_attn": True, "train_mlp": True, "train_unembed": False}
+            "train_attn": set(ATTN) <= set(_targets(meta)),
+            "train_mlp": set(MLP) <= set(_targets(meta)), "train_unembed": False}
 
   # ---------------------------------------------------------------- the worker
 
@@ -530,3 +536,9 @@ class Service:
       for rid in rids:
         self.futures.fail(rid, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                           "server")
+
+
+def _targets(meta: dict) -> tuple[str, ...]:
+  """The matrices a saved adapter's run trained (all, for checkpoints saved before runs
+  could choose)."""
+  return tuple(meta.get("targets", ATTN + MLP))

@@ -145,6 +145,26 @@ def test_one_optim_program_steps_several_slots_each_with_its_own_hyperparameters
   assert not any(np.any(np.asarray(x[:, stepped])) for x in jax.tree.leaves(bank.grads))
 
 
+def test_an_attention_only_adapter_leaves_its_mlp_matrices_as_made(base):
+  cfg, params = base
+  bank = AdapterBank(cfg, params, LORA, capacity=3)
+  attn, both = bank.allocate(0, ATTN), bank.allocate(1)
+  made = bank.adapter(attn)
+  for slot in (attn, both):
+    bank.forward_backward(_rows(slot, slot, (8,), cfg.vocab_size), "cross_entropy", {}, False)
+  bank.optim_steps([(attn, AdamParams(learning_rate=1e-2, weight_decay=0.1)),
+                    (both, AdamParams(learning_rate=1e-2))])
+  moved = lambda slot, name: not np.array_equal(bank.lora["layers"][name][:, slot],
+                                                made["layers"][name])
+  for name in bank.shapes["layers"]:
+    matrix = name.rsplit("_lora_", 1)[0]
+    assert moved(attn, name) == (matrix in ATTN), name  # A (decayed) and B of attention
+    if name.endswith("_lora_b"):  # (A's gradient is 0 while B is: no moment yet)
+      assert np.any(np.asarray(bank.mu["layers"][name][:, attn])) == (matrix in ATTN), name
+  assert all(moved(both, f"{m}_lora_b") for m in ATTN + MLP)  # B = 0 -> trained: moved
+  assert not any(np.any(np.asarray(x[:, :2])) for x in jax.tree.leaves(bank.grads))
+
+
 def _numpy_loss(name, lp, q, adv, w, cfg):
   ratio = np.exp(lp - q)
   clip = np.clip(ratio, cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2))

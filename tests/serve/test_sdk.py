@@ -185,6 +185,23 @@ def test_bad_requests_fail_at_once_with_the_field_named(service, datum, loss_fn,
   assert _loss(client, X) > 0  # The server (and this client) serve on.
 
 
+def test_an_adapter_without_mlp_trains_attention_only_and_says_so(server):
+  client = tinker.ServiceClient(base_url=server.url)
+  lora = client.create_lora_training_client(base_model=MODEL, rank=2, train_mlp=False).result()
+  before = _loss(lora, X)
+  for _ in range(2):
+    lora.forward_backward([_datum(X)], "cross_entropy")
+    lora.optim_step(ADAM).result()
+  assert _loss(lora, X) < before
+  path = lora.save_state("attention").result().path
+  info = client.create_rest_client().get_weights_info_by_tinker_path(path).result()
+  assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, False, False)
+  with pytest.raises(Exception, match="train_attn and train_mlp are both false"):
+    client.create_lora_training_client(base_model=MODEL, rank=2, train_attn=False,
+                                       train_mlp=False).result()
+  client.close("success").result()
+
+
 def test_a_finished_session_gives_its_adapter_slots_back(server):
   """max_adapters = 4: a fifth adapter of one rank is refused while four live, and a
   client that closes its session frees its four for the next."""
@@ -204,7 +221,7 @@ def test_a_finished_session_gives_its_adapter_slots_back(server):
 def test_the_throughput_benchmark_reports_concurrent_and_sequential_rates(server):
   done = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), f"--model={MODEL}",
-       f"--base_url={server.url}", "--adapters=1,2", "--steps=1", "--tokens=16", "--rank=8"],
+       f"--base_url={server.url}", "--adapters=1,2", "--steps=1", "--tokens=16", "--rank=8", "--repeats=1"],
       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert done.returncode == 0, done.stderr[-3000:]
   out = json.loads(done.stdout.strip().splitlines()[-1])
