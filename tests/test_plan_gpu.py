@@ -1,6 +1,6 @@
 """The rollout's decode loop as XLA:GPU compiles it for an H100, on this CPU host (the
-gpu-plan extra: jax's CUDA plugin and ptxas): each layer's weights are read in place, and
-no step reads a control flag back to the host.
+gpu-plan extra: jax's CUDA plugin and ptxas): each layer's weights are read in place (with
+LoRA adapters too), and no step reads a control flag back to the host.
 
 XLA:GPU copies a scanned layer's slice of a stacked weight into a buffer of its own
 before a matmul reads it; on a GPU the engine holds its weights one buffer per layer
@@ -28,7 +28,8 @@ import jax, numpy as np
 from jax.sharding import Mesh
 from jaxrl_post.models import ModelConfig
 from jaxrl_post.plan import memory
-from jaxrl_post.plan.hlo_cost import loop_launches
+from jaxrl_post.plan.hlo_cost import loop_launches, program_cost
+from jaxrl_post.models import LoraConfig
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.sharding import AXES
 cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
@@ -41,7 +42,14 @@ for split in (False, True):
   layout = RolloutLayout.build(cfg, mesh, split)
   args = memory.decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
   text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
-  out["split" if split else "stacked"] = loop_launches(text)
+  out["split" if split else "stacked"] = {**loop_launches(text), "bytes": program_cost(text).bytes}
+# Adapters on all 7 matrices: XLA's dot merger put W and A side by side when their products
+# were alike (a copy of W every step); a LoRA step reads about what the base's does.
+lora = cfg.replace(lora=LoraConfig(rank=8, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                                    "w_down")))
+args = memory.decode_operands(lora, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
+text = memory.lower_decode(lora, *args, 4, layout, False).compile().as_text()
+out["lora"] = {**loop_launches(text), "bytes": program_cost(text).bytes}
 # K and V of 36 GB (1,450,000 pages), the share of an H100 a run gives its pool: XLA:GPU
 # counted them twice and rematerialised the loop's fusions, K/V writes included.
 args = memory.decode_operands(cfg, 8, 1_450_001, 16, 4, "bfloat16", "bfloat16", 8, layout)
@@ -67,6 +75,9 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   assert launches["split"]["flag_reads"] == 0 and "conditional" not in split, launches
   big = launches["big_pool"]
   assert big["remat"] == 0 and big["total"] == launches["split"]["total"], big
+  lora = launches["lora"]  # 1.10x the base's bytes; 1.41x with W copied beside A
+  assert lora["bytes"] <= 1.15 * launches["split"]["bytes"], (lora, launches["split"])
+  assert "copy" not in lora["by_kind"] and lora["flag_reads"] == 0, lora
 
 
 _PREFILL = """

@@ -281,7 +281,10 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
       delta = jax.vmap(low_rank)(x.reshape(lead + x.shape[1:]), a, b)
       delta = delta.reshape((-1,) + delta.shape[2:])
     else:
-      xa = jnp.tensordot(x, a, axes=n)  # [B * T, r]
+      # The dot's f32 result (rounded as a bf16 dot rounds its own) keeps XLA from merging
+      # it with x @ W: the merged dot's operand, W and A side by side, was a copy of W made
+      # at every decode step on a GPU.
+      xa = jnp.tensordot(x, a, axes=n, preferred_element_type=jnp.float32).astype(x.dtype)
       if cfg.lora.adapters > 1:  # Each token keeps its own adapter's rank components.
         own = p["lora_adapter"].reshape(-1, 1)
         xa = xa * (own == jnp.arange(a.shape[-1]) // (a.shape[-1] // cfg.lora.adapters))
