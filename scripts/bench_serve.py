@@ -8,6 +8,7 @@ each, and the concurrent/sequential ratio. Compile time is left out: every shape
 once before the clock starts.
 
   python scripts/bench_serve.py --model tests/fixtures/hf/tiny_llama --adapters 1,2,4
+  python scripts/bench_serve.py --shapes smollm2-135m    # random bf16 weights, no model file
 """
 
 from __future__ import annotations
@@ -24,14 +25,30 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_ENV = dict(os.environ, PYTHONPATH=ROOT)  # The server's: the devices as given.
+
+
+def random_model(shapes: str, out_dir: str) -> str:
+  """A Hugging Face directory of `shapes` (a preset) with random bf16 weights and the test
+  fixture's tokenizer (the benchmark sends token ids, never text): a model to serve where
+  no checkpoint is at hand. Made on the CPU (main keeps this process off the accelerator,
+  which the server has to itself)."""
+  from jaxrl_post import models
+  from jaxrl_post.models import preset
+  from jaxrl_post.models.hf_export import save_pretrained
+  from jaxrl_post.models.transformer import init_model, params_of
+
+  _, tok = models.load(os.path.join(ROOT, "tests", "fixtures", "hf", "tiny_llama"))
+  cfg = preset(shapes)
+  save_pretrained(out_dir, cfg, params_of(init_model(cfg, seed=0)), tok, dtype="bfloat16")
+  return out_dir
 
 
 def _server(model: str, workdir: str, port: int, max_adapters: int) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=ROOT)
   proc = subprocess.Popen([sys.executable, "-m", "jaxrl_post.serve", f"--port={port}",
                            f"--model={model}", f"--workdir={workdir}",
                            f"--gin_param=ServeConfig.max_adapters={max_adapters}"],
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          env=SERVER_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   from jaxrl_post.serve.app import wait_until_serving
 
   if wait_until_serving(f"http://127.0.0.1:{port}", lambda: proc.poll() is None, 600):
@@ -64,6 +81,9 @@ def _measure(clients, data, steps: int, concurrent: bool, types) -> float:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="smollm2-135m-instruct")
+  p.add_argument("--shapes", default=None,
+                 help="serve a model of this preset's shapes (e.g. smollm2-135m) with random "
+                      "weights instead of --model: needs no model file")
   p.add_argument("--adapters", default="1,2,4")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--datums", type=int, default=4)
@@ -74,6 +94,7 @@ def main(argv=None) -> None:
   p.add_argument("--base_url", default=None,
                  help="a server already running (--model must be what it serves)")
   args = p.parse_args(argv)
+  os.environ["JAX_PLATFORMS"] = "cpu"  # The client's own arrays: the server holds the devices.
   import tinker
   from tinker import types
 
@@ -81,6 +102,8 @@ def main(argv=None) -> None:
   os.environ.setdefault("TINKER_API_KEY", "tml-bench")
   os.environ["TINKER_TELEMETRY"] = "0"
   with tempfile.TemporaryDirectory() as workdir:
+    if args.shapes:
+      args.model = random_model(args.shapes, os.path.join(workdir, args.shapes))
     proc = None if args.base_url else _server(args.model, workdir, args.port, max(counts))
     try:
       service = tinker.ServiceClient(base_url=args.base_url or f"http://127.0.0.1:{args.port}")
@@ -95,8 +118,9 @@ def main(argv=None) -> None:
       tokens_per_step = args.datums * args.tokens
       results = {}
       for a in counts:
-        for concurrent in (True, False):  # Warm: compile every batch shape first.
-          _measure(clients[:a], data, 3, concurrent, types)
+        for concurrent in (True, False):  # Warm: compile every batch shape first (the server
+          # batches a client once it has seen its pace: two steps).
+          _measure(clients[:a], data, 5, concurrent, types)
         best = {True: float("inf"), False: float("inf")}
         for _ in range(args.repeats):  # Alternating, so a slow moment of the host hits both.
           for concurrent in (True, False):
@@ -110,7 +134,7 @@ def main(argv=None) -> None:
     finally:
       if proc is not None:
         proc.kill()
-  print(json.dumps({"model": args.model, "rank": args.rank, "datums": args.datums,
+  print(json.dumps({"model": args.shapes or args.model, "rank": args.rank, "datums": args.datums,
                     "tokens": args.tokens, "steps": args.steps, "repeats": args.repeats,
                     "tokens_per_s": results}))
 

@@ -10,10 +10,11 @@
 # BUDGET_S (default: none) bounds the whole check: each part gets at most what is left of it
 # (and at most PART_TIMEOUT_S), a part with under 20 s left is recorded as skipped, and the
 # JSON is still written: time on a GPU host is often short.
-# QUICK=1 runs the parts that fit in about 6 minutes of device time (BUDGET_S 330 unless
+# QUICK=1 runs the parts that fit in about 6 minutes of device time (BUDGET_S 360 unless
 # given): decode % of the HBM roofline at 64 and 256 slots (1B and SmolLM2 shapes, with a
-# per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, and
-# plan's predicted 1B step on this GPU beside it.
+# per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, the
+# Tinker service's forward_backward tokens/s with 4 concurrent adapters against 4 in turn
+# (SmolLM2-135M), and plan's predicted 1B step on this GPU beside the measured one.
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
 #        QUICK=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -22,9 +23,9 @@ if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/results/gpu_check_$(date +%F).json}
 if [[ -n "${QUICK:-}" ]]; then
-  PARTS=${PARTS:-"decode kernels step_1b plan_1b"}; BUDGET=${BUDGET_S:-330}
+  PARTS=${PARTS:-"decode kernels step_1b serve plan_1b"}; BUDGET=${BUDGET_S:-360}
 else
-  PARTS=${PARTS:-"tests greedy decode kernels rollout sync step step_1b scale generate plan plan_1b"}
+  PARTS=${PARTS:-"tests greedy decode kernels rollout sync step step_1b serve scale generate plan plan_1b"}
   BUDGET=${BUDGET_S:-0}
 fi
 LIMIT=${PART_TIMEOUT_S:-900}
@@ -64,6 +65,8 @@ part sync "$PY" scripts/bench_sync.py --json
 part step "$PY" scripts/bench_step.py --json
 # Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak.
 part step_1b "$PY" scripts/bench_step.py --json --model llama-1b
+# The Tinker service on this GPU: one adapter and four, concurrent against in turn.
+part serve "$PY" scripts/bench_serve.py --adapters 1,4 --steps 3 --repeats 2 --tokens 128
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json ${GENERATE_ARGS:-}
 # The planner's predicted step on this GPU, beside the measured ones above (docs/BENCHMARKS.md

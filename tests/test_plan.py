@@ -180,3 +180,23 @@ def test_an_engine_that_splits_its_layers_holds_the_rollout_weights_once():
   p = programs.compile_programs(exp, jax.devices()[:1])
   assert p.rollout_weight_bytes == plan.rollout_bytes(p.model, p.meshes.rollout, "float32")
   assert p.rollout_weight_bytes == 4 * p.model.num_params
+
+
+def test_a_gpu_step_pays_for_each_decode_kernel_and_a_tpu_step_does_not():
+  """Decode launches hundreds of small kernels a step; on a GPU each costs the chip's
+  kernel_s of device time beyond its bytes (measured on an H100), a TPU runs one program."""
+  from jaxrl_post.plan import report, targets
+  from jaxrl_post.plan.hlo_cost import ProgramCost
+  from jaxrl_post.plan.memory import CompiledMemory
+
+  decode = CompiledMemory(0, 0, 0, 0, 0, 0.0, ProgramCost(1e9, 3.35e9, 0.0, []), (),
+                          {"total": 500.0, "by_kind": {}, "flag_reads": 0.0})
+  gpu, tpu = targets.CHIPS["h100"], targets.CHIPS["v5p"]
+  assert gpu.kernel_s == pytest.approx(4e-6) and tpu.kernel_s == 0
+  terms = report._terms(decode, gpu, calls=2, launches=500 * 32)  # 2 calls of 32 steps
+  assert terms["memory"] == pytest.approx(2e-3)
+  assert terms["kernels"] == pytest.approx(2 * 500 * 32 * 4e-6)
+  assert report._seconds(terms) == pytest.approx(2e-3 + 0.128)
+  tpu_terms = report._terms(decode, tpu, calls=2, launches=500 * 32)
+  assert tpu_terms["kernels"] == 0
+  assert report._seconds(tpu_terms) == pytest.approx(2 * 3.35e9 / tpu.hbm_bytes_per_s)

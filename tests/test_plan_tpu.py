@@ -178,6 +178,7 @@ def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
   assert result["attention_backends"]["decode"] == "paged_attention triton"
   kernels = result["decode_kernels_per_step"]  # Each layer's weights read in place.
   assert kernels["total"] > 0 and "slice_copy" not in kernels["by_kind"], kernels
+  assert result["roofline_s"]["decode"]["kernels"] > 0  # each launch costs device time
   # What jax's allocator holds of the GPU in a run, not the whole 80 GB.
   assert result["chip"]["hbm_bytes"] == pytest.approx(0.9 * 80e9)
   assert any("XLA_PYTHON_CLIENT_MEM_FRACTION" in note for note in result["notes"])

@@ -3,9 +3,11 @@
 Every figure is per device. Times are rooflines: a program takes at least its FLOPs over
 the chip's peak and at least its memory bytes over the HBM bandwidth (plan.hlo_cost counts
 both with loops at their trip counts), and its collective bytes cross the chip-to-chip
-links; the prediction is the larger of the first two plus the third. Measured steps run
-slower by what the roofline leaves out (launch gaps, host work, imperfect overlap), which
-docs/BENCHMARKS.md records against real runs.
+links; the prediction is the larger of the first two plus the third. On a GPU each kernel
+the decode loop launches adds the chip's kernel_s besides (the decode step launches
+hundreds of small ones; the other programs' kernels are large enough to leave out).
+Measured steps run slower by what this leaves out (host work, imperfect overlap, kernels
+short of the peaks), which docs/BENCHMARKS.md records against real runs.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Plan:
   kv_tokens_needed: int
   attention_backends: dict  # program -> implementation
   predicted_s: dict  # prefill, decode, train, sync, step
-  roofline_s: dict  # role -> {compute, memory, collective}: the terms of predicted_s
+  roofline_s: dict  # role -> {compute, memory, kernels, collective}: predicted_s's terms
   flops: dict  # program -> FLOPs per device per step
   hbm_bytes: dict  # program -> memory bytes per device per step
   sync_bytes: int
@@ -56,16 +58,18 @@ class Plan:
     return dataclasses.asdict(self)
 
 
-def _terms(mem: CompiledMemory, chip: Chip, calls: float) -> dict:
-  """A program's roofline terms over a step: compute, memory and collective seconds."""
+def _terms(mem: CompiledMemory, chip: Chip, calls: float, launches: float = 0.0) -> dict:
+  """A program's roofline terms over a step: compute, memory, kernel overhead (`launches`
+  kernels per call) and collective seconds."""
   cost = mem.cost
   return {"compute": calls * cost.flops / chip.bf16_flops_per_s,
           "memory": calls * cost.bytes / chip.hbm_bytes_per_s,
+          "kernels": calls * launches * chip.kernel_s,
           "collective": calls * cost.collective_bytes / chip.link_bytes_per_s}
 
 
 def _seconds(terms: dict) -> float:
-  return max(terms["compute"], terms["memory"]) + terms["collective"]
+  return max(terms["compute"], terms["memory"]) + terms["kernels"] + terms["collective"]
 
 
 def _backend(mem: CompiledMemory, fallback: str) -> str:
@@ -146,7 +150,9 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
   }
   programs = {"prefill": p.prefill, "decode": p.decode, "train": p.train_filled,
               "sync": p.sync}
-  return {role: _terms(programs[role], chip, n) for role, n in calls.items()}, calls
+  launches = {"decode": p.decode.launches["total"] * p.decode_steps} if p.decode.launches else {}
+  return {role: _terms(programs[role], chip, n, launches.get(role, 0.0))
+          for role, n in calls.items()}, calls
 
 
 def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,

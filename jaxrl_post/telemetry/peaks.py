@@ -32,6 +32,11 @@ class Chip:
     bf16_flops_per_s: dense bfloat16 peak.
     link_bytes_per_s: chip-to-chip bandwidth a collective uses, one direction.
     topology_prefix: libtpu's topology name prefix ("v5e", "v5p", ...); GPUs: "".
+    kernel_s: device time each kernel a program launches costs beyond its bytes and
+      FLOPs (ramp-up, tail, the gap to the next). A TPU runs a program as one launch: 0.
+      GPUs: 4 us, measured on one H100 (2026-11-27, docs/BENCHMARKS.md): a 1B decode
+      step's device time less its bytes over the bandwidth, over its kernels, was 2.9 us
+      (466 kernels a step) and 4.2 us (260).
   """
 
   name: str
@@ -41,18 +46,22 @@ class Chip:
   bf16_flops_per_s: float
   link_bytes_per_s: float
   topology_prefix: str = ""
+  kernel_s: float = 0.0
 
+
+GPU_KERNEL_S = 4e-6  # Chip.kernel_s of a GPU
 
 CHIPS = {
     "v4": Chip("v4", "tpu", 32 * GB, 1.2e12, 275e12, 6 * 50e9, "v4"),
     "v5e": Chip("v5e", "tpu", 16 * GB, 0.819e12, 197e12, 4 * 50e9, "v5e"),
     "v5p": Chip("v5p", "tpu", 95 * GB, 2.765e12, 459e12, 6 * 100e9, "v5p"),
     "v6e": Chip("v6e", "tpu", 32 * GB, 1.64e12, 918e12, 4 * 112e9, "v6e"),
-    "h100": Chip("h100", "gpu", 80 * GB, 3.35e12, 989e12, 450e9),
+    "h100": Chip("h100", "gpu", 80 * GB, 3.35e12, 989e12, 450e9, kernel_s=GPU_KERNEL_S),
     # PCIe card: NVLink bridges pair cards at most; collectives go over PCIe Gen5 x16.
-    "h100-pcie": Chip("h100-pcie", "gpu", 80 * GB, 2.0e12, 756e12, 64e9),
-    "h200": Chip("h200", "gpu", 141 * GB, 4.8e12, 989e12, 450e9),
-    "a100": Chip("a100", "gpu", 80 * GB, 2.039e12, 312e12, 300e9),
+    "h100-pcie": Chip("h100-pcie", "gpu", 80 * GB, 2.0e12, 756e12, 64e9,
+                      kernel_s=GPU_KERNEL_S),
+    "h200": Chip("h200", "gpu", 141 * GB, 4.8e12, 989e12, 450e9, kernel_s=GPU_KERNEL_S),
+    "a100": Chip("a100", "gpu", 80 * GB, 2.039e12, 312e12, 300e9, kernel_s=GPU_KERNEL_S),
 }
 
 # Device-kind substrings -> chip, the more specific first.
