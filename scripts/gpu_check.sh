@@ -66,7 +66,8 @@ part step "$PY" scripts/bench_step.py --json
 # Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak.
 part step_1b "$PY" scripts/bench_step.py --json --model llama-1b
 # The Tinker service on this GPU: one adapter and four, concurrent against in turn.
-part serve "$PY" scripts/bench_serve.py --adapters 1,4 --steps 3 --repeats 2 --tokens 128
+part serve "$PY" scripts/bench_serve.py --shapes smollm2-135m --adapters 1,4 --steps 3 \
+  --repeats 2 --tokens 128
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json ${GENERATE_ARGS:-}
 # The planner's predicted step on this GPU, beside the measured ones above (docs/BENCHMARKS.md
