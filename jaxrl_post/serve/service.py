@@ -62,16 +62,23 @@ class Run:
   targets: tuple[str, ...] = ATTN + MLP  # the matrices its optimizer trains
   ops: list = dataclasses.field(default_factory=list)  # heap of Op
   seen: dict = dataclasses.field(default_factory=dict)  # seq_id -> request id
-  last_fb: float = 0.0  # time.monotonic() of its last forward_backward submission
-  fb_every: float = 0.0  # seconds between its last two (0: fewer than two yet)
+  # Its client's pace, by steps: a step starts with the first forward_backward after an
+  # optim_step (a client may send several per step).
+  step_start: float = 0.0  # time.monotonic() of the last step's first forward_backward
+  step_every: float = 0.0  # seconds between the last two steps' (0: fewer than two yet)
+  stepped: bool = True  # an optim_step came since that forward_backward
 
-  def submitted_fb(self, now: float) -> None:
-    self.fb_every, self.last_fb = (now - self.last_fb if self.last_fb else 0.0), now
+  def submitted(self, kind: str, now: float) -> None:
+    if kind == "optim_step":
+      self.stepped = True
+    elif kind == "forward_backward" and self.stepped:
+      self.step_every = now - self.step_start if self.step_start else 0.0
+      self.step_start, self.stepped = now, False
 
   def expects_fb(self, now: float) -> bool:
-    """Whether its client, stepping at the pace of its last two forward_backwards, is
-    about to send the next one."""
-    return now - self.last_fb < 1.5 * self.fb_every
+    """Whether its client, stepping at the pace of its last two steps, is about to send
+    the next step's forward_backward."""
+    return self.stepped and now - self.step_start < 1.5 * self.step_every
 
 
 @dataclasses.dataclass
@@ -242,8 +249,7 @@ class Service:
         return {"request_id": run.seen[seq_id], "model_id": run.model_id}
       rid = self.futures.create()
       run.seen[seq_id] = rid
-      if kind == "forward_backward":
-        run.submitted_fb(time.monotonic())
+      run.submitted(kind, time.monotonic())
       heapq.heappush(run.ops, Op(seq_id, next(self._order), kind, rid, work))
       self._cv.notify_all()
     return {"request_id": rid, "model_id": run.model_id}
