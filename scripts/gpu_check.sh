@@ -24,7 +24,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/results/gpu_check_$(date +%F).json}
 if [[ -n "${QUICK:-}" ]]; then
   PARTS=${PARTS:-"decode kernels step_1b serve plan_1b"}; BUDGET=${BUDGET_S:-360}
+  SLOTS=${DECODE_SLOTS:-64,256}
 else
+  SLOTS=${DECODE_SLOTS:-64,256,512}
   PARTS=${PARTS:-"tests greedy decode kernels rollout sync step step_1b serve scale generate plan plan_1b"}
   BUDGET=${BUDGET_S:-0}
 fi
@@ -55,9 +57,10 @@ part() {  # part NAME CMD...: runs CMD, keeps its last stdout line (the JSON) an
 part tests "$PY" -m pytest -q -m gpu $(grep -rl --include='test_*.py' "mark.gpu" tests) \
   -p no:cacheprovider --junitxml="$WORK/junit.xml"
 part greedy "$PY" scripts/check_greedy.py --json ${GREEDY_ARGS:-}
-# Decode at RL batch sizes: % of the HBM roofline at 64 and 256 slots for the 1B and SmolLM2
-# shapes (bf16, random weights), each with a per-kernel profile of one decode call.
-part decode "$PY" scripts/bench_rollout.py --decode-only --slots 64,256 \
+# Decode at RL batch sizes: % of the HBM roofline at 64, 256 and (not QUICK) 512 slots for
+# the 1B and SmolLM2 shapes (bf16, random weights), each with a per-kernel profile of one
+# decode call.
+part decode "$PY" scripts/bench_rollout.py --decode-only --slots "$SLOTS" \
   --models llama3.2-1b,smollm2-135m --profile --json
 part kernels "$PY" scripts/bench_kernels.py --json
 part rollout "$PY" scripts/bench_rollout.py --json
