@@ -178,7 +178,7 @@ class AdapterBank:
     pad = [s for s in range(self.capacity) if s not in slots][:n - len(slots)]
     for slot in slots:
       self.steps[slot] += 1
-    hps = [dataclasses.asdict(hp) for _, hp in steps] + [dataclasses.asdict(AdamParams())] * len(pad)
+    hps = [dataclasses.asdict(hp) for _, hp in steps + [(None, AdamParams())] * len(pad)]
     scalars = {k: jnp.asarray([hp[k] for hp in hps], jnp.float32) for k in hps[0]}
     count = jnp.asarray([self.steps[s] for s in slots] + [1] * len(pad), jnp.float32)
     targets = [self.targets.get(s, ATTN + MLP) for s in slots] + [()] * len(pad)

@@ -5,8 +5,9 @@ The HTTP handlers only check a request and queue it (answering a future's id at 
 the worker takes, in turn: control requests (new adapters), then the head of every
 training run's queue -- a run's requests run in seq_id order, one at a time, while
 forward_backward heads of several runs with the same loss run as ONE batched program
-(serve.adapters), and so do the optim_step heads of several runs -- then every queued sample request, decoded together per sampling
-session. A request that fails fails its own future only; the worker goes on.
+(serve.adapters), and so do the optim_step heads of several runs -- then every queued
+sample request, decoded together per sampling session. A request that fails fails its
+own future only; the worker goes on.
 """
 
 from __future__ import annotations

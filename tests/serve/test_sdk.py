@@ -221,7 +221,8 @@ def test_a_finished_session_gives_its_adapter_slots_back(server):
 def test_the_throughput_benchmark_reports_concurrent_and_sequential_rates(server):
   done = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), f"--model={MODEL}",
-       f"--base_url={server.url}", "--adapters=1,2", "--steps=1", "--tokens=16", "--rank=8", "--repeats=1"],
+       f"--base_url={server.url}", "--adapters=1,2", "--steps=1", "--tokens=16", "--rank=8",
+       "--repeats=1"],
       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
   assert done.returncode == 0, done.stderr[-3000:]
   out = json.loads(done.stdout.strip().splitlines()[-1])
