@@ -20,6 +20,7 @@ from jaxrl_post.serve.adapters import ATTN, MLP, AdamParams, AdapterBank, Row
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "tiny_llama")
 LORA = LoraConfig(rank=4, alpha=8.0, targets=ATTN + MLP)
+CAPACITY = 4  # One bank shape for every test: their programs compile once.
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def _alone(cfg, base, adapter, rows, loss_fn):
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", pytest.param("ppo", marks=pytest.mark.sweep)])
 def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn):
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, capacity=3)
+  bank = AdapterBank(cfg, params, LORA, CAPACITY)
   a, b = bank.allocate(0), bank.allocate(1)
   adapters = {a: _adapter(cfg, 10), b: _adapter(cfg, 11)}
   for slot, adapter in adapters.items():
@@ -91,7 +92,7 @@ def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn):
 
 def test_optim_step_is_adamw_on_its_own_slot_only(base):
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, capacity=2)
+  bank = AdapterBank(cfg, params, LORA, CAPACITY)
   a, b = bank.allocate(0), bank.allocate(1)
   before_b = bank.adapter(b)
   hp = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
@@ -111,11 +112,11 @@ def test_optim_step_is_adamw_on_its_own_slot_only(base):
 
 
 def test_one_optim_program_steps_several_slots_each_with_its_own_hyperparameters(base):
-  """Three adapters stepped together (padded to four slots with one that holds a gradient
-  of its own): each moves as optax's AdamW with its own settings and step count; the
+  """Three adapters stepped together (padded to the bank's four slots with one that holds
+  a gradient of its own): each moves as optax's AdamW with its own settings and step count; the
   padding slot keeps its weights, moments and gradient."""
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, capacity=5)
+  bank = AdapterBank(cfg, params, LORA, CAPACITY)
   slots = [bank.allocate(i) for i in range(4)]
   stepped, pad = slots[:3], slots[3]
   hps = [AdamParams(learning_rate=1e-2), AdamParams(learning_rate=3e-3, beta1=0.5),
@@ -147,7 +148,7 @@ def test_one_optim_program_steps_several_slots_each_with_its_own_hyperparameters
 
 def test_an_attention_only_adapter_leaves_its_mlp_matrices_as_made(base):
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, capacity=3)
+  bank = AdapterBank(cfg, params, LORA, CAPACITY)
   attn, both = bank.allocate(0, ATTN), bank.allocate(1)
   made = bank.adapter(attn)
   for slot in (attn, both):
