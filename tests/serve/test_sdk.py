@@ -92,8 +92,8 @@ def _loss(client, seq):
 @pytest.fixture(scope="module")
 def trained(service):
   """Two adapters, trained concurrently: a on X, b on Y (both queued before either waits)."""
-  a = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1)
-  b = service.create_lora_training_client(base_model=MODEL, rank=8, seed=2)
+  a = service.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+  b = service.create_lora_training_client(base_model=MODEL, rank=8, seed=2).result()
   shared = []
   for _ in range(12):
     fa = a.forward_backward([_datum(X)], "cross_entropy")
@@ -119,10 +119,10 @@ def test_each_adapters_samples_carry_the_logprobs_of_a_forward_pass(trained, ser
   """Samplers of both adapters and of the base, their requests all queued before any is
   awaited (they decode in one engine, each sequence with its own adapter)."""
   a, b, _ = trained
-  fresh = service.create_lora_training_client(base_model=MODEL, rank=8)  # B = 0: the base
-  samplers = [(a, a.save_weights_and_get_sampling_client(), X),
-              (b, b.save_weights_and_get_sampling_client(), Y),
-              (fresh, service.create_sampling_client(base_model=MODEL), X)]
+  fresh = service.create_lora_training_client(base_model=MODEL, rank=8).result()  # B = 0
+  samplers = [(a, a.save_weights_and_get_sampling_client().result(), X),
+              (b, b.save_weights_and_get_sampling_client().result(), Y),
+              (fresh, service.create_sampling_client(base_model=MODEL).result(), X)]
   params = types.SamplingParams(max_tokens=6, temperature=1.0)
   futures = [(client, seq[:4], sampler.sample(prompt=types.ModelInput.from_ints(seq[:4]),
                                                 num_samples=3, sampling_params=params))
@@ -157,15 +157,15 @@ def test_saved_state_reproduces_the_loss_in_a_new_client_and_a_restarted_server(
   path = a.save_state("ckpt").result().path
   assert path == f"tinker://{a.model_id}/weights/ckpt"
   want = _loss(a, X)
-  again = service.create_training_client_from_state_with_optimizer(path)
+  again = service.create_training_client_from_state_with_optimizer(path).result()
   assert _loss(again, X) == pytest.approx(want, rel=1e-5)
   server.stop()  # Killed; restarted on the same directory.
   server.start()
   fresh = tinker.ServiceClient(base_url=server.url)
-  rest = fresh.create_rest_client()
+  rest = tinker.RestClient(base_url=server.url)
   ids = [c.checkpoint_id for c in rest.list_checkpoints(a.model_id).result().checkpoints]
   assert "weights/ckpt" in ids
-  restored = fresh.create_training_client_from_state(path)
+  restored = fresh.create_training_client_from_state(path).result()
   assert _loss(restored, X) == pytest.approx(want, rel=1e-5)
   fresh.close("success").result()
 
@@ -177,7 +177,7 @@ def test_saved_state_reproduces_the_loss_in_a_new_client_and_a_restarted_server(
     (_datum(list(range(3000))), "cross_entropy", "tokens (1 to 2048 allowed)"),
 ])
 def test_bad_requests_fail_at_once_with_the_field_named(service, datum, loss_fn, message):
-  client = service.create_lora_training_client(base_model=MODEL, rank=4)
+  client = service.create_lora_training_client(base_model=MODEL, rank=4).result()
   start = time.monotonic()
   with pytest.raises(Exception, match=re.escape(message)):
     client.forward_backward([datum], loss_fn).result()
@@ -194,7 +194,7 @@ def test_an_adapter_without_mlp_trains_attention_only_and_says_so(server):
     lora.optim_step(ADAM).result()
   assert _loss(lora, X) < before
   path = lora.save_state("attention").result().path
-  info = client.create_rest_client().get_weights_info_by_tinker_path(path).result()
+  info = tinker.RestClient(base_url=server.url).get_weights_info_by_tinker_path(path).result()
   assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, False, False)
   with pytest.raises(Exception, match="train_attn and train_mlp are both false"):
     client.create_lora_training_client(base_model=MODEL, rank=2, train_attn=False,
