@@ -21,7 +21,7 @@ class ServeConfig:
     default_max_tokens: completion limit of samples that name none.
     engine: the sampler's engine (slots, pages, decode steps).
     batch_wait_s: how long a forward_backward waits for those of other adapters whose
-      clients, at the pace of their last two, are about to send theirs, to run with them
+      clients, at the pace of their last two steps, are about to send theirs, to run with them
       as one program.
     session_timeout_s: a session whose client sent no heartbeat (the SDK sends one every
       10 s) for this long ends, and its adapters' slots are freed.
