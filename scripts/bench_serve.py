@@ -14,6 +14,7 @@ once before the clock starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,6 +43,75 @@ def random_model(shapes: str, out_dir: str) -> str:
   cfg = preset(shapes)
   save_pretrained(out_dir, cfg, params_of(init_model(cfg, seed=0)), tok, dtype="bfloat16")
   return out_dir
+
+
+def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int, tokens: int,
+                   rank: int, capacity: int) -> dict:
+  """Without the device: each adapter count's step (the batched forward_backward and the
+  optimizer program of its adapters) compiled for `target_name` by XLA on this host, its
+  FLOPs, bytes and kernels per call, and the seconds the plan's roofline predicts for it
+  (the larger of FLOPs and bytes over the chip's peaks, plus the chip's cost per kernel).
+  Concurrent: A adapters in one step; sequential: A steps of one adapter."""
+  from jaxrl_post.plan import targets
+
+  target = targets.resolve(target_name)
+  targets.prepare(target)
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from jaxrl_post.models import LoraConfig, preset
+  from jaxrl_post.models.transformer import abstract_model, params_of
+  from jaxrl_post.plan.hlo_cost import program_cost, program_launches
+  from jaxrl_post.rl.packing import bucket
+  from jaxrl_post.serve import adapters
+
+  cfg = preset(shapes, param_dtype="bfloat16", compute_dtype="bfloat16")
+  lora_cfg = cfg.replace(lora=LoraConfig(rank=rank, alpha=32.0,
+                                         targets=adapters.ATTN + adapters.MLP))
+  mesh = Mesh(np.asarray(targets.target_devices(target).devices[:1]), ("x",))
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                   sharding=NamedSharding(mesh, P()))
+  like = lambda tree: jax.tree.map(lambda x: spec(x.shape, x.dtype), tree)
+  bank = like(adapters._stack(adapters.adapter_shapes(lora_cfg), capacity))
+  chip = target.chip
+
+  def predict(compiled) -> dict:
+    text = compiled.as_text()
+    cost, launches = program_cost(text), program_launches(text)["total"]
+    seconds = (max(cost.flops / chip.bf16_flops_per_s, cost.bytes / chip.hbm_bytes_per_s)
+               + launches * chip.kernel_s)
+    return {"flops": cost.flops, "bytes": cost.bytes, "kernels": launches, "seconds": seconds}
+
+  def step(a: int) -> dict:  # a adapters' forward_backward and optimizer programs
+    n, width = a * datums, bucket(tokens, 16)
+    batch = {"slot": spec((n,), jnp.int32), "tokens": spec((n, width), jnp.int32),
+             "targets": spec((n, width), jnp.int32), "mask": spec((n, width), jnp.float32),
+             "inputs": {"weights": spec((n, width), jnp.float32)}}
+    fb = adapters._program(lora_cfg, "cross_entropy", False).trace(
+        bank, bank, like(params_of(abstract_model(cfg))), batch, {}).lower().compile()
+    k = min(capacity, bucket(a, 1))
+    per_slot = lambda dtype: spec((k,), dtype)
+    hp = {f.name: per_slot(jnp.float32) for f in dataclasses.fields(adapters.AdamParams)}
+    trains = jax.tree.map(lambda _: per_slot(jnp.bool_), bank)
+    adam = adapters._adam.trace(bank, bank, bank, bank, per_slot(jnp.int32),
+                                per_slot(jnp.bool_), trains, per_slot(jnp.float32),
+                                hp).lower().compile()
+    out = {"forward_backward": predict(fb), "optim_step": predict(adam)}
+    out["seconds"] = out["forward_backward"]["seconds"] + out["optim_step"]["seconds"]
+    return out
+
+  one = step(1)
+  results = {}
+  for a in counts:
+    both = step(a) if a > 1 else one
+    row = {"concurrent": round(a * datums * tokens / both["seconds"], 1),
+           "sequential": round(a * datums * tokens / (a * one["seconds"]), 1),
+           "step": both}
+    row["ratio"] = round(row["concurrent"] / row["sequential"], 2)
+    results[str(a)] = row
+  return {"compiled_for": target_name, "chip": chip.name, "kernel_s": chip.kernel_s,
+          "predicted_tokens_per_s": results}
 
 
 def _server(model: str, workdir: str, port: int, max_adapters: int) -> subprocess.Popen:
@@ -91,14 +161,23 @@ def main(argv=None) -> None:
   p.add_argument("--rank", type=int, default=16)
   p.add_argument("--repeats", type=int, default=3, help="each mode's best of this many")
   p.add_argument("--port", type=int, default=8791)
+  p.add_argument("--compiled-for", default=None, metavar="TARGET",
+                 help="no server: compile the batched programs for a plan target (e.g. "
+                      "h100x1, with --shapes) and print their predicted tokens/s")
   p.add_argument("--base_url", default=None,
                  help="a server already running (--model must be what it serves)")
   args = p.parse_args(argv)
+  counts = [int(a) for a in args.adapters.split(",")]
+  if args.compiled_for:
+    print(json.dumps({"model": args.shapes, "rank": args.rank, "datums": args.datums,
+                      "tokens": args.tokens, **compiled_rates(
+                          args.shapes or "smollm2-135m", args.compiled_for, counts,
+                          args.datums, args.tokens, args.rank, max(counts) + 1)}))
+    return
   os.environ["JAX_PLATFORMS"] = "cpu"  # The client's own arrays: the server holds the devices.
   import tinker
   from tinker import types
 
-  counts = [int(a) for a in args.adapters.split(",")]
   os.environ.setdefault("TINKER_API_KEY", "tml-bench")
   os.environ["TINKER_TELEMETRY"] = "0"
   with tempfile.TemporaryDirectory() as workdir:

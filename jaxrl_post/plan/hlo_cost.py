@@ -460,32 +460,44 @@ def loop_launches(hlo_text: str) -> Optional[dict]:
   loops = [i for i in computations.get(entry, []) if i.opcode == "while"]
   if not loops:
     return None
-  walker = _Walker(computations)
   size = lambda loop: len(computations.get(_attr(loop.attrs, "body"), []))
   loop = max(loops, key=size)
-
-  def walk(name: str, times: float) -> dict[str, float]:  # launches by kind, flag reads
-    counts: dict[str, float] = {}
-    add = functools.partial(_add_counts, counts)
-    for instr in computations.get(name, []):
-      if instr.opcode == "while":
-        trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
-        add({"flag_reads": 0.0 if _known_trips(instr) else times * (trips + 1)})
-        add(walk(_attr(instr.attrs, "body"), times * trips))
-        add(walk(_attr(instr.attrs, "condition"), times * trips))
-      elif instr.opcode == "conditional":  # The branch that launches most.
-        add({"conditional": times, "flag_reads": times})
-        taken = [walk(b, times) for b in _branches(instr)]
-        add(max(taken, key=lambda c: sum(n for k, n in c.items() if k != "flag_reads"),
-                default={}))
-      elif instr.opcode == "call":
-        add(walk(_attr(instr.attrs, "to_apply"), times))
-      elif instr.opcode not in _NO_LAUNCH:
-        add({_launch_kind(instr, computations): times})
-    return counts
-
-  counts = walk(_attr(loop.attrs, "body"), 1.0)
-  _add_counts(counts, walk(_attr(loop.attrs, "condition"), 1.0))
+  count = functools.partial(_launch_counts, computations, _Walker(computations))
+  counts = count(_attr(loop.attrs, "body"), 1.0)
+  _add_counts(counts, count(_attr(loop.attrs, "condition"), 1.0))
   reads = counts.pop("flag_reads", 0.0) + (0.0 if _known_trips(loop) else 1.0)
   return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items())),
           "flag_reads": reads}
+
+
+def program_launches(hlo_text: str) -> dict:
+  """Device launches of one run of the whole program, by kind, loops counted by their trip
+  counts (and its flag reads), as loop_launches counts one iteration of its loop."""
+  computations, entry = parse(hlo_text)
+  counts = _launch_counts(computations, _Walker(computations), entry, 1.0)
+  reads = counts.pop("flag_reads", 0.0)
+  return {"total": sum(counts.values()), "by_kind": dict(sorted(counts.items())),
+          "flag_reads": reads}
+
+
+def _launch_counts(computations, walker, name: str, times: float) -> dict[str, float]:
+  """Launches by kind of `times` runs of computation `name`, and its flag reads."""
+  counts: dict[str, float] = {}
+  add = functools.partial(_add_counts, counts)
+  count = functools.partial(_launch_counts, computations, walker)
+  for instr in computations.get(name, []):
+    if instr.opcode == "while":
+      trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
+      add({"flag_reads": 0.0 if _known_trips(instr) else times * (trips + 1)})
+      add(count(_attr(instr.attrs, "body"), times * trips))
+      add(count(_attr(instr.attrs, "condition"), times * trips))
+    elif instr.opcode == "conditional":  # The branch that launches most.
+      add({"conditional": times, "flag_reads": times})
+      taken = [count(b, times) for b in _branches(instr)]
+      add(max(taken, key=lambda c: sum(n for k, n in c.items() if k != "flag_reads"),
+              default={}))
+    elif instr.opcode == "call":
+      add(count(_attr(instr.attrs, "to_apply"), times))
+    elif instr.opcode not in _NO_LAUNCH:
+      add({_launch_kind(instr, computations): times})
+  return counts
