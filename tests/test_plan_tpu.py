@@ -164,6 +164,14 @@ def test_a_plan_that_does_not_fit_says_so_and_lists_the_largest_buffers():
   short = dataclasses.replace(verdict, kv_tokens=verdict.kv_tokens_needed // 4)
   assert ("tokens: short, the pool holds 25% of the slots' sequences at their longest "
           "(--fit sizes the slots to it)") in report.text(short)
+  # On a chip that pays per kernel, the decode's kernels cost time, and the text says how much.
+  gpu_like = dataclasses.replace(small, platform="gpu", kernel_s=4e-6)
+  paid = report.build(compiled, targets.Target("gpu-like", gpu_like, 1), gpu_like, exp, 1)
+  kernels = paid.decode_kernels_per_step["total"]
+  assert paid.roofline_s["decode"]["kernels"] > 0 and verdict.roofline_s["decode"]["kernels"] == 0
+  assert paid.predicted_s["decode"] > verdict.predicted_s["decode"]
+  assert f"decode kernels per step: {kernels:.0f} (" in report.text(paid)
+  assert "s of the decode's at 4 us each)" in report.text(paid)
 
 
 @pytest.mark.skipif(not targets.has_cuda_compiler(),

@@ -272,8 +272,11 @@ def text(plan: Plan) -> str:
   lines.append(f"decode bytes vs floor: {plan.decode_bytes_vs_floor:.2f}")
   if plan.decode_kernels_per_step:
     k = plan.decode_kernels_per_step
+    cost = plan.roofline_s["decode"]["kernels"]
+    paid = (f"; {cost:.3f} s of the decode's at {plan.chip['kernel_s'] * 1e6:g} us each"
+            if cost else "")
     lines.append(f"decode kernels per step: {k['total']:.0f} ({k['per_layer']} per layer, "
-                 f"{k['flag_reads']:.0f} control flags read back)")
+                 f"{k['flag_reads']:.0f} control flags read back{paid})")
   for buf in plan.largest_buffers:
     lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
   lines.extend(f"note: {n}" for n in plan.notes)
