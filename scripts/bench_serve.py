@@ -73,7 +73,7 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                    sharding=NamedSharding(mesh, P()))
   like = lambda tree: jax.tree.map(lambda x: spec(x.shape, x.dtype), tree)
-  bank = like(adapters._stack(adapters.adapter_shapes(lora_cfg), capacity))
+  bank = like(adapters.stacked(adapters.adapter_shapes(lora_cfg), capacity))
   chip = target.chip
 
   def predict(compiled) -> dict:
@@ -88,13 +88,13 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
     batch = {"slot": spec((n,), jnp.int32), "tokens": spec((n, width), jnp.int32),
              "targets": spec((n, width), jnp.int32), "mask": spec((n, width), jnp.float32),
              "inputs": {"weights": spec((n, width), jnp.float32)}}
-    fb = adapters._program(lora_cfg, "cross_entropy", False).trace(
+    fb = adapters.batch_program(lora_cfg, "cross_entropy", False).trace(
         bank, bank, like(params_of(abstract_model(cfg))), batch, {}).lower().compile()
     k = min(capacity, bucket(a, 1))
     per_slot = lambda dtype: spec((k,), dtype)
     hp = {f.name: per_slot(jnp.float32) for f in dataclasses.fields(adapters.AdamParams)}
     trains = jax.tree.map(lambda _: per_slot(jnp.bool_), bank)
-    adam = adapters._adam.trace(bank, bank, bank, bank, per_slot(jnp.int32),
+    adam = adapters.adam_program.trace(bank, bank, bank, bank, per_slot(jnp.int32),
                                 per_slot(jnp.bool_), trains, per_slot(jnp.float32),
                                 hp).lower().compile()
     out = {"forward_backward": predict(fb), "optim_step": predict(adam)}
@@ -169,9 +169,10 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   counts = [int(a) for a in args.adapters.split(",")]
   if args.compiled_for:
-    print(json.dumps({"model": args.shapes, "rank": args.rank, "datums": args.datums,
+    shapes = args.shapes or "smollm2-135m"
+    print(json.dumps({"model": shapes, "rank": args.rank, "datums": args.datums,
                       "tokens": args.tokens, **compiled_rates(
-                          args.shapes or "smollm2-135m", args.compiled_for, counts,
+                          shapes, args.compiled_for, counts,
                           args.datums, args.tokens, args.rank, max(counts) + 1)}))
     return
   os.environ["JAX_PLATFORMS"] = "cpu"  # The client's own arrays: the server holds the devices.

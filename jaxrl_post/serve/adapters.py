@@ -59,7 +59,7 @@ def adapter_shapes(cfg: ModelConfig) -> dict:
                      for name, (shape, _) in lora_param_shapes(cfg).items()}}
 
 
-def _stack(tree, slots: int):  # [L, ...] leaves -> [L, S, ...] zeros
+def stacked(tree, slots: int):  # [L, ...] leaves -> [L, S, ...] zeros, `slots` slots
   return jax.tree.map(lambda x: jnp.zeros((x.shape[0], slots, *x.shape[1:]), jnp.float32), tree)
 
 
@@ -79,7 +79,7 @@ class AdapterBank:
     self.base = place(base)
     # Adapter weights, their accumulated gradients and Adam moments: [L, S, ...] each, four
     # buffers of their own (optim_step donates all four).
-    self.lora, self.grads, self.mu, self.nu = (place(_stack(self.shapes, capacity))
+    self.lora, self.grads, self.mu, self.nu = (place(stacked(self.shapes, capacity))
                                                for _ in range(4))
     self.steps = np.zeros((capacity,), np.int64)  # optimizer steps taken, per slot
     self.targets = {}  # slot -> the matrices its optimizer trains (the others stay as made)
@@ -135,7 +135,7 @@ class AdapterBank:
     Without forward_only, adds each row's gradient to its slot's accumulated gradient."""
     loss, config = losses.resolve(loss_fn, config)
     batch = self._batch(rows, loss.inputs)
-    program = _program(self.cfg, loss_fn, forward_only)
+    program = batch_program(self.cfg, loss_fn, forward_only)
     consts = {k: jnp.float32(v) for k, v in config.items()}
     grads, logp, per_row = program(self.lora, self.grads, self.base, batch, consts)
     if not forward_only:
@@ -185,7 +185,7 @@ class AdapterBank:
     trains = {"layers": {name: jnp.asarray([name.rsplit("_lora_", 1)[0] in t for t in targets])
                          for name in self.shapes["layers"]}}  # [k] per matrix: live and trained
     live = jnp.asarray([True] * len(slots) + [False] * len(pad))
-    self.lora, self.grads, self.mu, self.nu, norms = _adam(
+    self.lora, self.grads, self.mu, self.nu, norms = adam_program(
         self.lora, self.grads, self.mu, self.nu, jnp.asarray(slots + pad, jnp.int32), live,
         trains, count, scalars)
     return [{"grad_norm": float(x)} for x in np.asarray(norms)[:len(slots)]]
@@ -207,7 +207,7 @@ def fresh_adapter(shapes: dict, seed: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
+def batch_program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
   """The jitted batched forward(/backward) of one loss (cached per model and loss)."""
   loss, model = losses.LOSSES.get(loss_fn), abstract_model(cfg)
 
@@ -237,7 +237,7 @@ def _program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
-def _adam(lora, grads, mu, nu, slots, live, trains, count, hp):
+def adam_program(lora, grads, mu, nu, slots, live, trains, count, hp):
   """AdamW on the k distinct `slots`: decoupled weight decay, optional clipping of each
   slot's global norm. count and every hp value are [k], per slot; `trains` (lora's tree of
   [k] bools) says which matrices of which slots it updates, the others keeping their
