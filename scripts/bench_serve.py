@@ -63,6 +63,7 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
   from jaxrl_post.models import LoraConfig, preset
   from jaxrl_post.models.transformer import abstract_model, params_of
   from jaxrl_post.plan.hlo_cost import program_cost, program_launches
+  from jaxrl_post.plan.report import predicted_seconds
   from jaxrl_post.rl.packing import bucket
   from jaxrl_post.serve import adapters
 
@@ -79,9 +80,8 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
   def predict(compiled) -> dict:
     text = compiled.as_text()
     cost, launches = program_cost(text), program_launches(text)["total"]
-    seconds = (max(cost.flops / chip.bf16_flops_per_s, cost.bytes / chip.hbm_bytes_per_s)
-               + launches * chip.kernel_s)
-    return {"flops": cost.flops, "bytes": cost.bytes, "kernels": launches, "seconds": seconds}
+    return {"flops": cost.flops, "bytes": cost.bytes, "kernels": launches,
+            "seconds": predicted_seconds(cost, chip, launches)}
 
   def step(a: int) -> dict:  # a adapters' forward_backward and optimizer programs
     n, width = a * datums, bucket(tokens, 16)

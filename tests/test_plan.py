@@ -193,10 +193,10 @@ def test_a_gpu_step_pays_for_each_decode_kernel_and_a_tpu_step_does_not():
                           {"total": 500.0, "by_kind": {}, "flag_reads": 0.0})
   gpu, tpu = targets.CHIPS["h100"], targets.CHIPS["v5p"]
   assert gpu.kernel_s == pytest.approx(4e-6) and tpu.kernel_s == 0
-  terms = report._terms(decode, gpu, calls=2, launches=500 * 32)  # 2 calls of 32 steps
+  terms = report._terms(decode.cost, gpu, calls=2, launches=500 * 32)  # 2 calls of 32 steps
   assert terms["memory"] == pytest.approx(2e-3)
   assert terms["kernels"] == pytest.approx(2 * 500 * 32 * 4e-6)
   assert report._seconds(terms) == pytest.approx(2e-3 + 0.128)
-  tpu_terms = report._terms(decode, tpu, calls=2, launches=500 * 32)
+  tpu_terms = report._terms(decode.cost, tpu, calls=2, launches=500 * 32)
   assert tpu_terms["kernels"] == 0
   assert report._seconds(tpu_terms) == pytest.approx(2 * 3.35e9 / tpu.hbm_bytes_per_s)

@@ -19,6 +19,7 @@ from typing import Optional
 
 from jaxrl_post import _cuda
 from jaxrl_post.errors import UserError
+from jaxrl_post.plan.hlo_cost import ProgramCost
 from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_bytes
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
@@ -58,10 +59,9 @@ class Plan:
     return dataclasses.asdict(self)
 
 
-def _terms(mem: CompiledMemory, chip: Chip, calls: float, launches: float = 0.0) -> dict:
+def _terms(cost: ProgramCost, chip: Chip, calls: float, launches: float = 0.0) -> dict:
   """A program's roofline terms over a step: compute, memory, kernel overhead (`launches`
   kernels per call) and collective seconds."""
-  cost = mem.cost
   return {"compute": calls * cost.flops / chip.bf16_flops_per_s,
           "memory": calls * cost.bytes / chip.hbm_bytes_per_s,
           "kernels": calls * launches * chip.kernel_s,
@@ -70,6 +70,11 @@ def _terms(mem: CompiledMemory, chip: Chip, calls: float, launches: float = 0.0)
 
 def _seconds(terms: dict) -> float:
   return max(terms["compute"], terms["memory"]) + terms["kernels"] + terms["collective"]
+
+
+def predicted_seconds(cost: ProgramCost, chip: Chip, launches: float = 0.0) -> float:
+  """One call of a program of `cost` launching `launches` kernels, as the plan predicts it."""
+  return _seconds(_terms(cost, chip, 1.0, launches))
 
 
 def _backend(mem: CompiledMemory, fallback: str) -> str:
@@ -151,7 +156,7 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
   programs = {"prefill": p.prefill, "decode": p.decode, "train": p.train_filled,
               "sync": p.sync}
   launches = {"decode": p.decode.launches["total"] * p.decode_steps} if p.decode.launches else {}
-  return {role: _terms(programs[role], chip, n, launches.get(role, 0.0))
+  return {role: _terms(programs[role].cost, chip, n, launches.get(role, 0.0))
           for role, n in calls.items()}, calls
 
 

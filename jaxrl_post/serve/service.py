@@ -60,7 +60,6 @@ class Run:
   base_model: str
   rank: int
   slot: int
-  targets: tuple[str, ...] = ATTN + MLP  # the matrices its optimizer trains
   ops: list = dataclasses.field(default_factory=list)  # heap of Op
   seen: dict = dataclasses.field(default_factory=dict)  # seq_id -> request id
   # Its client's pace, by steps: a step starts with the first forward_backward after an
@@ -224,7 +223,7 @@ class Service:
       if session in self._ended:
         raise UserError(f"session_id: session {session} has ended")
       slot = self._bank(rank).allocate(seed, targets)
-      self._add_run(Run(model_id, base, rank, slot, targets))
+      self._add_run(Run(model_id, base, rank, slot))
       return {"type": "create_model", "model_id": model_id}
 
     return {"request_id": self._control_op(create), "model_id": model_id}
@@ -280,7 +279,7 @@ class Service:
 
   def _meta(self, run: Run) -> dict:
     return {"base_model": run.base_model, "rank": run.rank, "model_id": run.model_id,
-            "targets": list(run.targets)}
+            "targets": list(self.banks[run.rank].targets[run.slot])}
 
   def save_weights_for_sampler(self, body: dict) -> dict:
     run = self._run(R.field(body, "model_id", str))
@@ -321,9 +320,8 @@ class Service:
     def create():
       if session in self._ended:
         raise UserError(f"session_id: session {session} has ended")
-      targets = _targets(meta)
       run = Run(model_id, meta["base_model"], meta["rank"],
-                self._bank(meta["rank"]).allocate(0, targets), targets)
+                self._bank(meta["rank"]).allocate(0, _targets(meta)))
       self._add_run(run)
       return self._load_into(run, path, meta, optimizer)
 
@@ -434,9 +432,10 @@ class Service:
 
   def weights_info(self, body: dict) -> dict:
     meta = self.store.meta(R.field(body, "tinker_path", str))
+    targets = set(_targets(meta))
     return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": meta["rank"],
-            "train_attn": set(ATTN) <= set(_targets(meta)),
-            "train_mlp": set(MLP) <= set(_targets(meta)), "train_unembed": False}
+            "train_attn": set(ATTN) <= targets, "train_mlp": set(MLP) <= targets,
+            "train_unembed": False}
 
   # ---------------------------------------------------------------- the worker
 
