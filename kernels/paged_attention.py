@@ -115,6 +115,31 @@ def _visible(pos, length, window):
   return valid if window is None else valid & (pos >= length - window)
 
 
+def _fold_pages(q, k_ref, v_ref, pt_ref, carry, first, num_blocks, pages_per_block,
+                sm_scale, visible):
+  """Online softmax of q [Gp, D] over `num_blocks` blocks of the table's pages from page
+  `first` on, keys at positions where visible(pos) holds, folded into carry (m, l, acc)."""
+  page_size, d = k_ref.shape[1], q.shape[1]
+  block_kv = pages_per_block * page_size
+
+  def body(j, carry):
+    start = first + j * pages_per_block
+    pages = pt_ref[pl.ds(start, pages_per_block)]  # [ppb]
+    k = k_ref[pages].reshape(block_kv, d)  # [bk, D]
+    v = v_ref[pages].reshape(block_kv, d)
+    s = _scores(q, k, sm_scale)  # [Gp, bk]
+    pos = start * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [bk]
+    s = jnp.where(visible(pos)[None, :], s, MASK_VALUE)
+    return _online_update(s, v, *carry)
+
+  return jax.lax.fori_loop(0, num_blocks, body, carry)
+
+
+def _empty_carry(rows, d):
+  return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+          jnp.zeros((rows, d), jnp.float32))
+
+
 def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
                          sm_scale, pages_per_block, pages_per_split, window=None):
   """One (sequence, KV head, context split): q_ref [Gp, D], k_ref/v_ref [P, ps, D]."""
@@ -125,21 +150,9 @@ def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *
   num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
   q = q_ref[...]  # [Gp, D]
   gp, d = q.shape
-  block_kv = pages_per_block * page_size
-
-  def body(j, carry):
-    start = first + j * pages_per_block
-    pages = pt_ref[pl.ds(start, pages_per_block)]  # [ppb]
-    k = k_ref[pages].reshape(block_kv, d)  # [bk, D]
-    v = v_ref[pages].reshape(block_kv, d)
-    s = _scores(q, k, sm_scale)  # [Gp, bk]
-    pos = start * page_size + jnp.arange(block_kv, dtype=jnp.int32)  # [bk]
-    s = jnp.where(_visible(pos, length, window)[None, :], s, MASK_VALUE)
-    return _online_update(s, v, *carry)
-
-  init = (jnp.full((gp, 1), MASK_VALUE, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
-          jnp.zeros((gp, d), jnp.float32))
-  out, lse = _finish(*jax.lax.fori_loop(0, num_blocks, body, init))
+  carry = _fold_pages(q, k_ref, v_ref, pt_ref, _empty_carry(gp, d), first, num_blocks,
+                      pages_per_block, sm_scale, lambda pos: _visible(pos, length, window))
+  out, lse = _finish(*carry)
   o_ref[...] = out
   lse_ref[...] = lse.reshape(gp)
 
@@ -166,11 +179,11 @@ def _cost(q, k_pages, table_pages):
                          transcendentals=b * hkv * g * tokens, bytes_accessed=kv + io)
 
 
-def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
-                       interpret, window=None):
-  """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
-  b, hkv, g, d = q.shape
-  _, num_pages, page_size, _ = k_pages.shape
+def triton_blocks(q_shape, pool_shape, table_pages, config):
+  """(pages per block, splits, pages per split, query rows per program) of a Triton call
+  with q [B, Hkv, G, D] on a pool [Hkv, P, ps, D]; refuses shapes it has no kernel for."""
+  b, hkv, g, d = q_shape
+  page_size = pool_shape[2]
   for name, n in (("head_dim", d), ("page_size", page_size)):
     if n & (n - 1):  # Padding the pool per call would copy all of it: refuse instead.
       raise ValueError(f"the triton paged kernel needs a power-of-two {name}, got {n}")
@@ -179,8 +192,16 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
   # Power-of-two page blocks of >= 16 keys: Triton block shapes and tl.dot's minimum.
   ppb = max(pl.next_power_of_2(_pages_per_block(config.block_kv, page_size) + 1) // 2,
             pl.cdiv(16, page_size))
-  splits, pps = _split_plan(b, hkv, page_table.shape[1], ppb, config.num_splits)
-  gp = max(16, pl.next_power_of_2(g))
+  splits, pps = _split_plan(b, hkv, table_pages, ppb, config.num_splits)
+  return ppb, splits, pps, max(16, pl.next_power_of_2(g))
+
+
+def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
+                       interpret, window=None):
+  """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
+  b, hkv, g, d = q.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  ppb, splits, pps, gp = triton_blocks(q.shape, k_pages.shape, page_table.shape[1], config)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
   kernel = functools.partial(_paged_kernel_triton, sm_scale=sm_scale,

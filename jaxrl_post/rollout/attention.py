@@ -33,11 +33,13 @@ import jax.numpy as jnp
 
 from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import group_queries, ungroup_queries
-from jaxrl_post.kernels.paged_attention import kernel_supports, merge_attention_parts
+from jaxrl_post.kernels.paged_append import paged_attention_append_parts
+from jaxrl_post.kernels.paged_attention import (PagedAttentionConfig, kernel_supports,
+                                                merge_attention_parts)
 from jaxrl_post.kernels.paged_prefill import paged_prefill_attention as paged_prefill
 from jaxrl_post.models import layers as L
 from jaxrl_post.rollout.pages import cdiv
-from jaxrl_post.sharding import on_accelerator
+from jaxrl_post.sharding import on_accelerator, target_platform
 
 
 class SharedPrefix(NamedTuple):
@@ -81,6 +83,35 @@ def _kernel_decode(q, k_pool, v_pool, layer, page_table, lengths, sliding_window
     page_table, first = _window_pages(page_table, lengths, sliding_window, k_pool.shape[3])
     lengths = lengths - first * k_pool.shape[3]
   return paged_attention(q, k, v, page_table + offset, lengths, window=sliding_window)
+
+
+def appends_in_kernel(k_pool, logit_cap=None) -> bool:
+  """Whether the decode step's K/V write runs inside the attention kernel
+  (`paged_decode_append`): on a GPU, whose Triton kernel takes the pool's shape, without
+  score soft-capping. A TPU writes with kernels.kv_write and a CPU with a scatter."""
+  return target_platform() == "gpu" and use_kernel_default(k_pool) and logit_cap is None
+
+
+def paged_decode_append(q, k, v, k_pool, v_pool, layer, pages, slots, page_table, lengths,
+                        sliding_window=None):
+  """Writes each row's new K/V at (pages, slots) of `layer` and attends over its tokens,
+  the new one included, in one kernel (kernels.paged_append): the decode step's write and
+  `paged_decode_attention` without the scatters' launches. q, k and v go to the kernel
+  side by side, one array, which XLA builds in the same fusion as their RoPE.
+
+  q [B, Hq, D]; k, v [B, Hkv, D]; pages, slots [B] int32 (page 0, the sink, for rows whose
+  output is unused); lengths [B] with the new token. Returns (attn [B, Hq, D] in q's dtype,
+  k_pool, v_pool).
+  """
+  (kf, offset), (vf, _) = _flat(k_pool, layer), _flat(v_pool, layer)
+  if sliding_window is not None:
+    page_table, first = _window_pages(page_table, lengths, sliding_window, k_pool.shape[3])
+    lengths = lengths - first * k_pool.shape[3]
+  qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+  out, _, kf, vf = paged_attention_append_parts(
+      qkv, kf, vf, page_table + offset, lengths, pages + offset, slots,
+      PagedAttentionConfig(), sliding_window, out_dtype=q.dtype)
+  return out, kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
 
 
 def _window(mask, q_pos, k_pos, sliding_window):

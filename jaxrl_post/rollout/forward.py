@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_post.models import layers as L
 from jaxrl_post.models.transformer import (Transformer, layer_ids, post_attention,
                                            qkv_projection)
-from jaxrl_post.rollout.attention import (SharedPrefix, cascade_decode_attention,
+from jaxrl_post.rollout.attention import (SharedPrefix, appends_in_kernel,
+                                          cascade_decode_attention, paged_decode_append,
                                           paged_decode_attention, paged_prefill_attention)
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
@@ -181,6 +182,13 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
     shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
   page_index = (lengths - table_start) // ps  # [B]
   pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
+  if shared is None and pool.wk is None and appends_in_kernel(pool.k,
+                                                              cfg.attn_logit_softcapping):
+    attend = L.per_layer(cfg, lambda window: functools.partial(paged_decode_append,
+                                                               sliding_window=window))
+    attn, k_pool, v_pool = attend(layer, q, k, v, pool.k, pool.v, layer, pages,
+                                  lengths % ps, page_table, lengths + 1)
+    return attn, KVPool(k_pool, v_pool)
   pool = _write(cfg, pool, window_map, layer, pages, lengths % ps, k, v)
   if shared is None:
     attn = _attend(cfg, paged_decode_attention, window_map, layer, q, pool, page_table,

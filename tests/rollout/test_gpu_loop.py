@@ -56,3 +56,31 @@ def test_sampling_without_shortcuts_draws_the_same_tokens():
       np.testing.assert_array_equal(got[0], want[0])
       np.testing.assert_allclose(got[1], want[1], atol=1e-5)
       np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_the_kernel_that_appends_kv_decodes_what_write_then_attend_does(monkeypatch):
+  """A GPU's decode step writes the new K/V inside the attention kernel
+  (kernels.paged_append); run here through the Pallas interpreter, it decodes the tokens
+  and logprobs of the scatter-then-attend step, with and without a sliding window (7 keys
+  over pages of 4), slots finishing and refilling mid-call."""
+  from jaxrl_post.models.transformer import init_model
+  from jaxrl_post.rollout import Engine, forward
+
+  prompts = H.prompts(np.random.default_rng(3), [3, 9, 17, 5, 12])
+  sampling = SamplingParams(temperature=0.8, max_tokens=11)
+  for window in (None, 7):  # head_dim 16: the Triton kernel's smallest.
+    model = init_model(H.CFG.replace(head_dim=16, sliding_window=window), seed=1)
+    decode = lambda: generate(Engine.from_model(model, H.ENGINE), prompts, n=2,
+                              sampling=sampling)
+    want = decode()
+    with monkeypatch.context() as patch:
+      patch.setattr(forward, "appends_in_kernel", lambda *args: True)
+      jax.clear_caches()
+      try:
+        got = decode()
+      finally:
+        jax.clear_caches()
+    for g_req, w_req in zip(got, want):
+      for g, w in zip(g_req, w_req):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=H.LOGPROB_TOL)

@@ -1,0 +1,66 @@
+"""Decode attention with the K/V append == the write then paged attention's float32
+reference (Triton kernel, Pallas interpreter on CPU): outputs, log-sum-exps, and every page
+of the pool after the call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_post.kernels.paged_append import (paged_attention_append,
+                                             paged_attention_append_reference)
+from jaxrl_post.kernels.paged_attention import PagedAttentionConfig
+from tests.kernels.helpers import assert_close, page_tables, random_pool
+
+D = 16
+MAX_PAGES = 4
+reference = jax.jit(paged_attention_append_reference, static_argnames=("window",))
+
+
+def run_case(hq, hkv, page_size, dtype, lengths, seed=0, window=None, sink_rows=(),
+             **config):
+  rng = np.random.default_rng(seed)
+  b = len(lengths)
+  num_pages = b * MAX_PAGES + 2
+  k_pages, v_pages = random_pool(rng, hkv, num_pages, page_size, D, dtype)
+  table = page_tables(rng, lengths, MAX_PAGES, page_size, num_pages - 1)
+  table = jnp.where(table >= 0, table + 1, table)  # Page 0 is the sink, as in the engine.
+  lengths = np.asarray(lengths, np.int32)
+  write_page = np.take_along_axis(np.asarray(table), (lengths[:, None] - 1) // page_size,
+                                  axis=1)[:, 0]
+  write_page[list(sink_rows)] = 0  # Rows whose output nobody wants write to a sink page.
+  args = (jnp.asarray(rng.normal(size=(b, hq + 2 * hkv, D)), dtype),)
+  tail = (table, jnp.asarray(lengths), jnp.asarray(write_page, jnp.int32),
+          jnp.asarray((lengths - 1) % page_size, jnp.int32))
+  want = reference(*args, k_pages, v_pages, *tail, window=window)
+  cfg = PagedAttentionConfig(backend="triton", **config)
+  out, lse, k_got, v_got = paged_attention_append(*args, k_pages, v_pages, *tail, config=cfg,
+                                                  window=window)
+  live = np.asarray([i not in sink_rows for i in range(b)])
+  assert out.dtype == dtype and out.shape == (b, hq, D)
+  assert_close(np.asarray(out)[live], np.asarray(want[0])[live], dtype)
+  assert_close(np.asarray(lse)[live], np.asarray(want[1])[live], jnp.float32)
+  pages = [p for p in range(num_pages) if p != 0 or not sink_rows]  # the sink: any row's
+  np.testing.assert_array_equal(np.asarray(k_got)[:, pages], np.asarray(want[2])[:, pages])
+  np.testing.assert_array_equal(np.asarray(v_got)[:, pages], np.asarray(want[3])[:, pages])
+
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype,page_size,group,splits", [
+    (F32, 8, 1, 1), (BF16, 16, 2, 2), (BF16, 8, 4, 1), (F32, 16, 4, 2)])
+def test_matches_the_write_then_attention(dtype, page_size, group, splits):
+  full = MAX_PAGES * page_size
+  # The first token (nothing in the pool), a full table, the first slot of a new page,
+  # the last slot of a page, and mid-page.
+  lengths = [1, full, page_size + 1, 2 * page_size, 3 * page_size - 3]
+  run_case(2 * group, 2, page_size, dtype, lengths, block_kv=2 * page_size,
+           num_splits=splits)
+
+
+def test_sliding_window_and_sink_rows():
+  """A window of 11 over pages of 8 (the new key always inside it), three splits, and two
+  rows writing to the shared sink page whose outputs are ignored."""
+  run_case(4, 2, 8, F32, [29, 17, 5, 32, 9], window=11, block_kv=16, num_splits=3,
+           sink_rows=(1, 4))
