@@ -94,6 +94,49 @@ def bench_paged(args, rng) -> dict:
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 
 
+def bench_append(args, rng) -> dict:
+  """The GPU decode step's attention: the new token's K/V written inside the kernel
+  (kernels.paged_append), against the scatter then paged_attention it replaces, both
+  updating donated pools in place as the engine's step does."""
+  from jaxrl_post.kernels.paged_append import (paged_attention_append,
+                                               paged_attention_append_reference)
+  pages = args.context // args.page_size
+  context = pages * args.page_size
+  q, k_pages, v_pages, table = decode_inputs(args, rng, args.batch, pages)
+  new = jnp.asarray(rng.standard_normal((args.batch, 2 * args.kv_heads, args.head_dim),
+                                        np.float32), q.dtype)
+  qkv = jnp.concatenate([q, new], axis=1)
+  lengths = jnp.full((args.batch,), context, jnp.int32)
+  page, slot = table[:, -1], jnp.full((args.batch,), (context - 1) % args.page_size, jnp.int32)
+  want = jax.jit(paged_attention_append_reference)(qkv, k_pages, v_pages, table, lengths,
+                                                   page, slot)[0]
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def separate(k_pages, v_pages):
+    kv = jnp.swapaxes(new, 0, 1)  # [2 Hkv, B, D]
+    k_pages = k_pages.at[:, page, slot].set(kv[:args.kv_heads])
+    v_pages = v_pages.at[:, page, slot].set(kv[args.kv_heads:])
+    return kernels.paged_attention(q, k_pages, v_pages, table, lengths), k_pages, v_pages
+
+  fused = jax.jit(paged_attention_append, donate_argnums=(1, 2))
+  pools = {"fused": [k_pages, v_pages], "separate": [jnp.copy(k_pages), jnp.copy(v_pages)]}
+
+  def run(name):  # Each call takes the pools the previous one returned.
+    if name == "fused":
+      out, _, *pools[name] = fused(qkv, *pools[name], table, lengths, page, slot)
+    else:
+      out, *pools[name] = separate(*pools[name])
+    return out
+
+  fused_ms = median_ms(run, "fused", runs=args.runs, warmup=args.warmup)
+  separate_ms = median_ms(run, "separate", runs=args.runs, warmup=args.warmup)
+  result = {"batch": args.batch, "context": context, "page_size": args.page_size,
+            "kernel_ms": fused_ms, "write_then_attend_ms": separate_ms,
+            "max_abs_err": max_abs_err(run("fused"), want)}
+  kv_bytes = 2 * args.batch * (context + 1) * args.kv_heads * args.head_dim * q.dtype.itemsize
+  return result | bandwidth(kv_bytes + 2 * qkv.nbytes, fused_ms)
+
+
 def bench_prefill(args, rng) -> dict:
   """The engine's prefill of the last --chunk tokens of a --context-token prompt (its
   earlier pages written), packed into rows of 24 by the engine's packer, per --batch
@@ -273,7 +316,8 @@ def main():
   results = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
              "jax": jax.__version__, "dtype": args.dtype,
              "interpreted": jax.default_backend() == "cpu"}
-  for name, bench in [("paged_attention", bench_paged), ("paged_prefill", bench_prefill),
+  for name, bench in [("paged_attention", bench_paged), ("paged_append", bench_append),
+                      ("paged_prefill", bench_prefill),
                       ("cascade_attention", bench_cascade),
                       ("packed_attention", bench_packed), ("chunked_logprob", bench_logprob)]:
     results[name] = bench(args, rng)
@@ -283,7 +327,8 @@ def main():
   results["chunked_logprob_memory"] = memory
   results["chunked_logprob_memory_ratio"] = memory["ratio"]
   results["max_abs_err"] = {k: results[k]["max_abs_err"] for k in
-                            ("paged_attention", "paged_prefill", "cascade_attention",
+                            ("paged_attention", "paged_append", "paged_prefill",
+                             "cascade_attention",
                              "packed_attention", "chunked_logprob")}
   if args.json:
     print(json.dumps(results))

@@ -32,7 +32,8 @@ from jaxrl_post.models import layers as L
 from jaxrl_post.models.transformer import (Transformer, layer_ids, post_attention,
                                            qkv_projection)
 from jaxrl_post.rollout.attention import (SharedPrefix, appends_in_kernel,
-                                          cascade_decode_attention, paged_decode_append,
+                                          cascade_decode_append, cascade_decode_attention,
+                                          paged_decode_append,
                                           paged_decode_attention, paged_prefill_attention)
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
@@ -182,22 +183,32 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
     shared = shared._replace(lengths=jnp.where(live, shared.lengths, 0))
   page_index = (lengths - table_start) // ps  # [B]
   pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
-  if shared is None and pool.wk is None and appends_in_kernel(pool.k,
-                                                              cfg.attn_logit_softcapping):
-    attend = L.per_layer(cfg, lambda window: functools.partial(paged_decode_append,
-                                                               sliding_window=window))
-    attn, k_pool, v_pool = attend(layer, q, k, v, pool.k, pool.v, layer, pages,
-                                  lengths % ps, page_table, lengths + 1)
-    return attn, KVPool(k_pool, v_pool)
+  # Keys each row attends over in its table, the new one included.
+  seen = lengths + 1 if shared is None else jnp.where(active, lengths + 1 - table_start, 0)
+  if pool.wk is None and appends_in_kernel(pool.k, cfg.attn_logit_softcapping):
+    return _append_local(cfg, pool, layer, q, k, v, pages, lengths % ps, page_table, seen,
+                         shared)
   pool = _write(cfg, pool, window_map, layer, pages, lengths % ps, k, v)
   if shared is None:
-    attn = _attend(cfg, paged_decode_attention, window_map, layer, q, pool, page_table,
-                   lengths + 1)
+    attn = _attend(cfg, paged_decode_attention, window_map, layer, q, pool, page_table, seen)
   else:  # No window pool here (cascade_refusal above).
-    suffix_lengths = jnp.where(active, lengths + 1 - table_start, 0)  # [B]
-    attn = cascade_decode_attention(q, pool.k, pool.v, layer, shared, page_table,
-                                    suffix_lengths)
+    attn = cascade_decode_attention(q, pool.k, pool.v, layer, shared, page_table, seen)
   return attn, pool
+
+
+def _append_local(cfg, pool: KVPool, layer, q, k, v, pages, slots, page_table, seen,
+                  shared: SharedPrefix | None):
+  """_decode_local on a GPU: the K/V write inside the attention kernel (rollout.attention's
+  *_append), for plain and cascade attention alike."""
+  if shared is None:
+    attend = L.per_layer(cfg, lambda window: functools.partial(paged_decode_append,
+                                                               sliding_window=window))
+    attn, k_pool, v_pool = attend(layer, q, k, v, pool.k, pool.v, layer, pages, slots,
+                                  page_table, seen)
+  else:
+    attn, k_pool, v_pool = cascade_decode_append(q, k, v, pool.k, pool.v, layer, pages,
+                                                 slots, shared, page_table, seen)
+  return attn, KVPool(k_pool, v_pool)
 
 
 def pool_specs(layout: RolloutLayout, window: bool) -> KVPool:

@@ -4,6 +4,8 @@ what the early-exit loop does: the same tokens, logprobs and kept-set floors, wi
 finishing mid-call and samplers of every kind in one batch. The GPU form is traced here by
 telling the programs their mesh is a GPU's; XLA:CPU runs it."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -61,16 +63,18 @@ def test_sampling_without_shortcuts_draws_the_same_tokens():
 def test_the_kernel_that_appends_kv_decodes_what_write_then_attend_does(monkeypatch):
   """A GPU's decode step writes the new K/V inside the attention kernel
   (kernels.paged_append); run here through the Pallas interpreter, it decodes the tokens
-  and logprobs of the scatter-then-attend step, with and without a sliding window (7 keys
-  over pages of 4), slots finishing and refilling mid-call."""
+  and logprobs of the scatter-then-attend step: plain, with a sliding window (7 keys over
+  pages of 4), and cascade (blocks of 2 samples sharing their prompt's pages), with slots
+  finishing and refilling mid-call."""
   from jaxrl_post.models.transformer import init_model
   from jaxrl_post.rollout import Engine, forward
 
-  prompts = H.prompts(np.random.default_rng(3), [3, 9, 17, 5, 12])
-  sampling = SamplingParams(temperature=0.8, max_tokens=11)
-  for window in (None, 7):  # head_dim 16: the Triton kernel's smallest.
-    model = init_model(H.CFG.replace(head_dim=16, sliding_window=window), seed=1)
-    decode = lambda: generate(Engine.from_model(model, H.ENGINE), prompts, n=2,
+  prompts = H.prompts(np.random.default_rng(3), [3, 9, 17])  # 6 rows in 4 slots
+  sampling = SamplingParams(temperature=0.8, max_tokens=10)
+  for window, groups in ((None, 0), (7, 0), (None, 2)):
+    model = init_model(H.CFG.replace(head_dim=16, sliding_window=window), seed=1)  # Triton's
+    engine = dataclasses.replace(H.ENGINE, group_slots=groups)  # smallest head_dim
+    decode = lambda: generate(Engine.from_model(model, engine), prompts, n=2,
                               sampling=sampling)
     want = decode()
     with monkeypatch.context() as patch:
