@@ -10,8 +10,8 @@ split 0's online softmax from registers. No program reads what another writes in
 call (the new position is masked in the pool), so there is no race, and the result is the
 write followed by paged attention, the order of summation aside.
 
-Query rows are loaded and stored under a mask, so q needs no padding to Triton's 16 rows
-and the output no slicing: two more launches the plain kernel's callers pay.
+Query rows are loaded and stored under a mask, as the plain kernel's are, so neither q nor
+the output is padded to Triton's 16 rows.
 
 Pool layout and page tables as in :mod:`paged_attention`. Runs in interpret mode on CPU;
 TPU writes with kernels.kv_write and attends with the Mosaic kernel instead.

@@ -18,8 +18,9 @@ Two kernels, one per lowering, both written as pallas_call and run in interpret 
   input and pages are gathered inside the kernel (``k_ref[pages]``) from the head's whole
   pool. The grid is ``(B, Hkv, splits)``: the context is split into ``splits`` partitions
   (flash-decoding) so that small batches still fill the GPU, and the partial results are
-  merged by log-sum-exp afterwards. Query rows are padded to a power of two >= 16 (Triton's
-  block shapes must be powers of two and ``tl.dot`` needs 16 rows).
+  merged by log-sum-exp afterwards. A program's query block is a power of two >= 16 rows
+  (Triton's block shapes must be powers of two and ``tl.dot`` needs 16 rows), loaded and
+  stored under a mask past the group's queries, so q needs no padding nor the output a slice.
 * ``mosaic`` (TPU): ``PrefetchScalarGridSpec`` puts the page table and lengths in SMEM, and
   the K/V BlockSpec index maps read them, so the Pallas pipeline DMAs exactly the pages a
   step needs (double-buffered). A step covers ``pages_per_block`` pages by passing the pool
@@ -141,20 +142,22 @@ def _empty_carry(rows, d):
 
 
 def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
-                         sm_scale, pages_per_block, pages_per_split, window=None):
-  """One (sequence, KV head, context split): q_ref [Gp, D], k_ref/v_ref [P, ps, D]."""
+                         sm_scale, pages_per_block, pages_per_split, groups, window=None):
+  """One (sequence, KV head, context split): q_ref [Gp, D] of which the first `groups`
+  rows are queries (the rest masked), k_ref/v_ref [P, ps, D]."""
   page_size = k_ref.shape[1]
   length = len_ref[0]
   first = pl.program_id(2) * pages_per_split
   end = jnp.minimum(first + pages_per_split, pl.cdiv(length, page_size))
   num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
-  q = q_ref[...]  # [Gp, D]
-  gp, d = q.shape
+  gp, d = q_ref.shape
+  rows = jnp.arange(gp) < groups
+  q = pltriton.load(q_ref, mask=rows[:, None], other=0)
   carry = _fold_pages(q, k_ref, v_ref, pt_ref, _empty_carry(gp, d), first, num_blocks,
                       pages_per_block, sm_scale, lambda pos: _visible(pos, length, window))
   out, lse = _finish(*carry)
-  o_ref[...] = out
-  lse_ref[...] = lse.reshape(gp)
+  pltriton.store(o_ref, out, mask=rows[:, None])
+  pltriton.store(lse_ref, lse.reshape(gp), mask=rows)
 
 
 def _split_plan(batch, hkv, max_pages, pages_per_block, num_splits):
@@ -202,10 +205,10 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
   b, hkv, g, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
   ppb, splits, pps, gp = triton_blocks(q.shape, k_pages.shape, page_table.shape[1], config)
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
   kernel = functools.partial(_paged_kernel_triton, sm_scale=sm_scale,
-                             pages_per_block=ppb, pages_per_split=pps, window=window)
+                             pages_per_block=ppb, pages_per_split=pps, groups=g,
+                             window=window)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   out, lse = pl.pallas_call(
       kernel,
@@ -220,8 +223,8 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
           pl.BlockSpec((None, None, None, gp, d), lambda i, h, s: (s, i, h, 0, 0)),
           pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, gp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, b, hkv, gp), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, g), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
@@ -229,8 +232,7 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
       name="paged_attention_triton",
   )(q, k_pages, v_pages, page_table, lengths)
   # One split (enough sequences to fill the GPU) is the answer itself: no merge pass.
-  out, lse = (out[0], lse[0]) if splits == 1 else merge_attention_parts(out, lse)
-  return out[:, :, :g], lse[:, :, :g]
+  return (out[0], lse[0]) if splits == 1 else merge_attention_parts(out, lse)
 
 
 # ----------------------------------------------------------------------------- TPU kernel
