@@ -16,6 +16,11 @@ on and masks the keys before the window in it. Prefill takes the same split: on 
 kernels.paged_prefill reads each row's pages once per KV head (a sliding layer only the
 pages some query's window spans), on the CPU the jnp path gathers them.
 
+On a GPU the decode step's K/V write runs inside the attention kernel
+(`paged_decode_append`, `cascade_decode_append`: kernels.paged_append), so a layer's
+attention is one launch rather than two scatters and the kernel; a TPU writes with
+kernels.kv_write and a CPU with a scatter, then attend.
+
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
 rows, each row's own pages once, and the two partial attentions merge by log-sum-exp. On

@@ -3,7 +3,8 @@
 Each layer is the model's own maths -- `qkv_projection` and `post_attention` from
 jaxrl_post.models.transformer -- with the attention swapped for the paged one, so a model
 change (biases, LoRA, RoPE scaling) reaches the rollout without a second implementation.
-Within a layer the new tokens' K/V are written before attending, so a token sees itself.
+Within a layer the new tokens' K/V are written before attending, so a token sees itself
+(on a GPU a decode step's write runs inside the attention kernel, rollout.attention).
 Layers run under lax.scan with the pool in the carry: the scatter of the new K/V then
 updates the pool in place instead of copying it. Given the weights one buffer per layer
 (rollout.weights, a GPU's form) the layers are unrolled instead, the pool threaded through
