@@ -7,6 +7,7 @@ telling the programs their mesh is a GPU's; XLA:CPU runs it."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post.rollout import SamplingParams, generate, programs, sampling
@@ -60,31 +61,44 @@ def test_sampling_without_shortcuts_draws_the_same_tokens():
       np.testing.assert_array_equal(got[2], want[2])
 
 
-def test_the_kernel_that_appends_kv_decodes_what_write_then_attend_does(monkeypatch):
+def _full_forward_logprobs(model, temperature):
+  """fn(prompt, tokens) -> [len(tokens)] each token's logprob under a full forward of
+  prompt + tokens, at `temperature` (float64)."""
+  from jaxrl_post.models.transformer import params_of, with_params
+
+  @jax.jit
+  def logits(params, seq):
+    m = with_params(model, params)
+    return m.logits(m(seq[None], jnp.arange(seq.shape[0])[None]))[0]
+
+  def logprobs(prompt, tokens):
+    seq = jnp.asarray(list(prompt) + list(tokens), jnp.int32)
+    rows = np.asarray(logits(params_of(model), seq), np.float64)[len(prompt) - 1:-1]
+    return H.log_softmax(rows / temperature)[np.arange(len(tokens)), list(tokens)]
+  return logprobs
+
+
+def test_the_kernel_that_appends_kv_decodes_what_a_full_forward_computes(monkeypatch):
   """A GPU's decode step writes the new K/V inside the attention kernel
-  (kernels.paged_append); run here through the Pallas interpreter, it decodes the tokens
-  and logprobs of the scatter-then-attend step: plain, with a sliding window (7 keys over
-  pages of 4), and cascade (blocks of 2 samples sharing their prompt's pages), with slots
-  finishing and refilling mid-call."""
+  (kernels.paged_append); run here through the Pallas interpreter, every sampled token's
+  logprob is a full forward's over the same tokens: plain, with a sliding window (7 keys
+  over pages of 4), and cascade (blocks of 2 samples sharing their prompt's pages), with
+  slots finishing and refilling mid-call."""
   from jaxrl_post.models.transformer import init_model
   from jaxrl_post.rollout import Engine, forward
 
   prompts = H.prompts(np.random.default_rng(3), [3, 9, 17])  # 6 rows in 4 slots
   sampling = SamplingParams(temperature=0.8, max_tokens=10)
-  for window, groups in ((None, 0), (7, 0), (None, 2)):
-    model = init_model(H.CFG.replace(head_dim=16, sliding_window=window), seed=1)  # Triton's
-    engine = dataclasses.replace(H.ENGINE, group_slots=groups)  # smallest head_dim
-    decode = lambda: generate(Engine.from_model(model, engine), prompts, n=2,
-                              sampling=sampling)
-    want = decode()
-    with monkeypatch.context() as patch:
-      patch.setattr(forward, "appends_in_kernel", lambda *args: True)
-      jax.clear_caches()
-      try:
-        got = decode()
-      finally:
-        jax.clear_caches()
-    for g_req, w_req in zip(got, want):
-      for g, w in zip(g_req, w_req):
-        assert g.tokens == w.tokens
-        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=H.LOGPROB_TOL)
+  monkeypatch.setattr(forward, "appends_in_kernel", lambda *args: True)
+  jax.clear_caches()  # Traced anew: a CPU's trace of the same shapes writes with a scatter.
+  try:
+    for window, groups in ((None, 0), (7, 0), (None, 2)):
+      model = init_model(H.CFG.replace(head_dim=16, sliding_window=window),  # Triton's
+                         seed=1)  # smallest head_dim
+      engine = Engine.from_model(model, dataclasses.replace(H.ENGINE, group_slots=groups))
+      full = _full_forward_logprobs(model, sampling.temperature)
+      for prompt, samples in zip(prompts, generate(engine, prompts, n=2, sampling=sampling)):
+        for c in samples:
+          np.testing.assert_allclose(c.logprobs, full(prompt, c.tokens), atol=H.LOGPROB_TOL)
+  finally:
+    jax.clear_caches()
