@@ -44,3 +44,16 @@ def test_files_over_budget_are_named_slowest_first():
   assert suite_health.files_over_budget(seconds, budget=90) == [
       ("tests/c.py", 200.0), ("tests/b.py", 91.0)]
   assert suite_health.files_over_budget({"tests/a.py": 90.0}, budget=90) == []
+
+
+def test_a_slower_host_gets_a_budget_as_much_larger_and_a_faster_one_no_smaller():
+  ref = suite_health.REFERENCE_HOST_S
+  assert suite_health.host_budget(ref / 2) == suite_health.FILE_BUDGET_S
+  assert suite_health.host_budget(ref * 2.5) == pytest.approx(2.5 * suite_health.FILE_BUDGET_S)
+
+
+def test_the_host_is_timed_on_a_real_compile_not_a_cached_one():
+  was = jax.config.jax_enable_compilation_cache
+  first, again = suite_health.host_seconds(repeats=1), suite_health.host_seconds(repeats=1)
+  assert jax.config.jax_enable_compilation_cache == was
+  assert min(first, again) > 0.02  # A program loaded from the cache takes a few ms.
