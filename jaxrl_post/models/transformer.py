@@ -293,6 +293,58 @@ def _dense(cfg: ModelConfig, x, p, name):  # [B, T, in...] -> [B, T, out...]
   return y.reshape(lead + y.shape[1:])
 
 
+# Matrices that read the same input: their LoRA A products can be one matmul.
+_SHARED_INPUT = (("wq", "wk", "wv"), ("w_gate", "w_up"))
+
+
+def _group_key(names) -> str:
+  return "+".join(names) + "_lora_a"
+
+
+def group_lora(cfg: ModelConfig, p: dict) -> dict:
+  """One layer's weights `p` with its LoRA adapters also laid out for _dense_shared: the
+  A matrices of each group of _SHARED_INPUT side by side ([in, m * r]), and each B padded
+  with zero rows to [m * r, out...] at its own block. For a program that runs many small
+  forwards over the same weights (the GPU's decode loop, which makes this once per call):
+  each group's low-rank product is then two matmuls instead of a merged A product that
+  XLA slices back apart and m B products, and neither layout is rebuilt at every step.
+  Serve's per-row adapters ([B, in, r] A's) are left as they are."""
+  out = dict(p)
+  for names in _SHARED_INPUT:
+    lora = [n for n in names if f"{n}_lora_a" in p and p[f"{n}_lora_a"].ndim == 2]
+    if len(lora) < 2:
+      continue
+    r = p[f"{lora[0]}_lora_a"].shape[-1]
+    out[_group_key(lora)] = jnp.concatenate([p[f"{n}_lora_a"] for n in lora], axis=-1)
+    for i, n in enumerate(lora):
+      b = p[f"{n}_lora_b"]
+      out[f"{n}_lora_b_padded"] = jnp.pad(
+          b, [(i * r, (len(lora) - 1 - i) * r)] + [(0, 0)] * (b.ndim - 1))
+  return out
+
+
+def _dense_shared(cfg: ModelConfig, x, p, names):
+  """(_dense(cfg, x, p, name) for name in names), the matrices reading the same x; with
+  the adapters laid out by group_lora, their low-rank deltas from one A product."""
+  lora = [n for n in names if f"{n}_lora_a" in p]
+  if len(lora) < 2 or _group_key(lora) not in p:
+    return tuple(_dense(cfg, x, p, n) for n in names)
+  lead = x.shape[:2]
+  x = x.reshape((-1,) + x.shape[2:])
+  ys = {n: jnp.tensordot(x, p[n].astype(x.dtype), axes=1) for n in names}
+  a = p[_group_key(lora)].astype(x.dtype)
+  # float32 out, as in _dense: XLA would otherwise merge x @ A with x @ W (a copy of W).
+  xa = jnp.tensordot(x, a, axes=1, preferred_element_type=jnp.float32).astype(x.dtype)
+  if cfg.lora.adapters > 1:  # Each token keeps its own adapter's rank components.
+    r = a.shape[-1] // len(lora)
+    own = p["lora_adapter"].reshape(-1, 1)
+    xa = xa * (own == (jnp.arange(a.shape[-1]) % r) // (r // cfg.lora.adapters))
+  for n in lora:  # The zero rows drop the other matrices' rank components.
+    delta = jnp.tensordot(xa, p[f"{n}_lora_b_padded"].astype(x.dtype), axes=1)
+    ys[n] = ys[n] + (cfg.lora.scale * delta).astype(ys[n].dtype)
+  return tuple(ys[n].reshape(lead + ys[n].shape[1:]) for n in names)
+
+
 def _norm(cfg: ModelConfig, x, w):
   return L.rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_plus_one)
 
@@ -327,7 +379,7 @@ def qkv_projection(cfg: ModelConfig, x, p, positions, layer=None):  # -> 3 x [B,
   """
   dt = x.dtype
   h = _norm(cfg, x, p["attn_norm"])
-  q, k, v = (_dense(cfg, h, p, name) for name in ("wq", "wk", "wv"))
+  q, k, v = _dense_shared(cfg, h, p, ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
   if cfg.qk_norm:  # Per head over head_dim, before RoPE (as transformers' Qwen3 does).
@@ -360,7 +412,7 @@ def post_attention(cfg: ModelConfig, x, p, attn, recorded=None, valid=None,
   if cfg.moe is not None:
     out, routing = moe.moe_block(cfg, h, p, recorded, valid, replay)
   else:
-    gate, up = _dense(cfg, h, p, "w_gate"), _dense(cfg, h, p, "w_up")
+    gate, up = _dense_shared(cfg, h, p, ("w_gate", "w_up"))
     hidden = constrain(_ACTIVATIONS[cfg.mlp_activation](gate) * up, _MLP)
     out, routing = _dense(cfg, hidden, p, "w_down"), None
   if cfg.sandwich_norms:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.models.moe import NO_EXPERT
+from jaxrl_post.models.transformer import group_lora
 from jaxrl_post.rollout import compact, forward, prefill_pack, weights
 from jaxrl_post.rollout.attention import SharedPrefix
 from jaxrl_post.rollout.layout import RolloutLayout
@@ -187,6 +188,8 @@ def several_adapters(cfg: ModelConfig) -> bool:
 def _decode_steps(params, pool, state, shared, window_map, cfg, steps, layout, truncation,
                   draws):
   model, layers = weights.bind(cfg, params)
+  if layers is not None and cfg.lora is not None:  # Laid out once, outside the loop.
+    layers = tuple(group_lora(cfg, p) for p in layers)
   adapters = state.adapter if several_adapters(cfg) else None
   out_tokens, out_logprobs, out_experts, out_floors = _empty_outputs(
       cfg, state.tokens.shape[0], steps, truncation)

@@ -176,3 +176,32 @@ def test_lora_starts_as_a_no_op_and_equals_merged_weights():
   assert len(lora_leaves) == 2 * len(lora.targets)
   axes = jax.tree.leaves(logical_axes(adapted), is_leaf=lambda x: isinstance(x, tuple))
   assert sum("lora_rank" in a for a in axes) == 2 * len(lora.targets)
+
+
+@pytest.mark.parametrize("adapters", [1, 2])
+def test_grouped_lora_layout_computes_what_the_per_matrix_one_does(adapters):
+  from jaxrl_post.models.config import LoraConfig
+  from jaxrl_post.models.transformer import group_lora, post_attention, qkv_projection
+  lora = LoraConfig(rank=4, alpha=8.0, adapters=adapters,
+                    targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+  cfg = tiny(lora=lora)
+  model = init_model(cfg, seed=3)
+  rng = np.random.default_rng(3)
+  p = {n: w[0] for n, w in model.layers.stacked().items()}
+  p = {n: jnp.asarray(rng.normal(0, 0.2, w.shape), w.dtype) if "lora_b" in n else w
+       for n, w in p.items()}
+  p["lora_adapter"] = jnp.asarray(rng.integers(0, adapters, (3, 5)), jnp.int32)
+  grouped = group_lora(cfg, p)
+  assert grouped["wq+wk+wv_lora_a"].shape == (32, 12)
+  assert grouped["w_up_lora_b_padded"].shape == (8, 48)
+  x = jnp.asarray(rng.normal(0, 1, (3, 5, 32)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(5), (3, 5))
+  for want, got in zip(qkv_projection(cfg, x, p, pos), qkv_projection(cfg, x, grouped, pos)):
+    np.testing.assert_allclose(got, want, atol=TOL)
+  attn = jnp.asarray(rng.normal(0, 1, (3, 5, 4, 8)), jnp.float32)
+  np.testing.assert_allclose(post_attention(cfg, x, grouped, attn)[0],
+                             post_attention(cfg, x, p, attn)[0], atol=TOL)
+  # The grouped path is the one taken: without B's padded copies it would not run.
+  broken = {**grouped, "wk_lora_b_padded": jnp.zeros_like(grouped["wk_lora_b_padded"])}
+  assert not np.allclose(qkv_projection(cfg, x, broken, pos)[1],
+                         qkv_projection(cfg, x, p, pos)[1], atol=TOL)
