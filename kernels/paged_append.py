@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_post.kernels.paged_attention import (
-    PagedAttentionConfig, _cost, _empty_carry, _finish, _fold_pages, _visible,
+    MASK_VALUE, PagedAttentionConfig, _cost, _empty_carry, _finish, _fold_pages, _visible,
     merge_attention_parts, paged_attention_with_lse_reference, resolve_backend,
     triton_blocks)
 
@@ -46,11 +46,32 @@ def _fold_new(q, kn, vn, carry, sm_scale, mine):
   return m_new, alpha * l + p, alpha * acc + p * vn.astype(jnp.float32)[None, :]
 
 
-def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, o_ref, lse_ref,
-                   k_out, v_out, *, sm_scale, pages_per_block, pages_per_split, groups,
-                   heads, window=None):
+def _prior_carry(out_ref, lse_ref, start, gp, rows):
+  """(m, l, acc) of rows [start, start + gp) of attention parts over other keys (out_ref
+  [S, N, D], lse_ref [S, N]: S parts, unmerged), as the online softmax would hold them
+  after those keys; parts with no keys (lse -inf) add nothing."""
+  parts = [(pltriton.load(out_ref.at[i, pl.ds(start, gp), :], mask=rows[:, None], other=0),
+            pltriton.load(lse_ref.at[i, pl.ds(start, gp)], mask=rows,
+                          other=MASK_VALUE).reshape(gp, 1))
+           for i in map(jnp.int32, range(out_ref.shape[0]))]
+  m = functools.reduce(jnp.maximum, [lse for _, lse in parts], jnp.float32(MASK_VALUE))
+  weights = [jnp.exp(lse - m) for _, lse in parts]
+  return (m, functools.reduce(jnp.add, weights),
+          functools.reduce(jnp.add, [w * out for w, (out, _) in zip(weights, parts)]))
+
+
+def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs, sm_scale,
+                   pages_per_block, pages_per_split, groups, heads, window=None,
+                   rows_per_block=None):
   """One (sequence, KV head, context split): qkv_ref [Hq + 2 Hkv, D] (the sequence's
-  queries, new keys and new values), pools [P, ps, D]; the length counts the new token."""
+  queries, new keys and new values), pools [P, ps, D]; the length counts the new token.
+  With rows_per_block, refs start with the block's prior parts ([S, R * G, D] and
+  [S, R * G]: cascade's shared prefix, its queries grouped by row), which split 0 starts
+  its online softmax from."""
+  if rows_per_block is None:
+    o_ref, lse_ref, k_out, v_out = refs
+  else:
+    prior_out, prior_lse, o_ref, lse_ref, k_out, v_out = refs
   page_size = k_ref.shape[1]
   h, split = pl.program_id(1), pl.program_id(2)
   new_k, new_v = heads + h, heads + (qkv_ref.shape[0] - heads) // 2 + h  # rows of qkv
@@ -62,7 +83,12 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, o_ref
   gp, d = o_ref.shape
   rows = jnp.arange(gp) < groups
   q = pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), :], mask=rows[:, None], other=0)
-  carry = _fold_pages(q, k_ref, v_ref, pt_ref, _empty_carry(gp, d), first, num_blocks,
+  carry = _empty_carry(gp, d)
+  if rows_per_block is not None:
+    start = (pl.program_id(0) % rows_per_block) * groups
+    prior = _prior_carry(prior_out, prior_lse, start, gp, rows)
+    carry = tuple(jnp.where(split == 0, a, b) for a, b in zip(prior, carry))
+  carry = _fold_pages(q, k_ref, v_ref, pt_ref, carry, first, num_blocks,
                       pages_per_block, sm_scale,
                       lambda pos: _visible(pos, length, window) & (pos < old))
   # Rounded as the pool stores them, so the new token counts as the pool's copy would.
@@ -79,9 +105,10 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, o_ref
 
 
 def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot, config,
-                 interpret, window, out_dtype):
+                 interpret, window, out_dtype, prior=None):
   """qkv [B, Hq + 2 Hkv, D] -> (out [B, Hkv, G, D] in out_dtype (float32 when the context
-  is split), lse [B, Hkv, G] f32, k_pages, v_pages)."""
+  is split), lse [B, Hkv, G] f32, k_pages, v_pages); prior as in
+  paged_attention_append_parts."""
   b, rows, d = qkv.shape
   hkv, num_pages, page_size, _ = k_pages.shape
   hq = rows - 2 * hkv
@@ -89,9 +116,18 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
   ppb, splits, pps, gp = triton_blocks((b, hkv, g, d), k_pages.shape, page_table.shape[1],
                                        config)
   page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
+  prior_specs, prior_args, per_block = [], (), None
+  if prior is not None:  # Each row reads its block's parts for its KV head.
+    prior_args, parts, blocks = prior, prior[0].shape[0], prior[0].shape[1]
+    per_block = b // blocks
+    prior_specs = [
+        pl.BlockSpec((parts, None, None, per_block * g, d),
+                     lambda i, h, s: (0, i // per_block, h, 0, 0)),
+        pl.BlockSpec((parts, None, None, per_block * g),
+                     lambda i, h, s: (0, i // per_block, h, 0))]
   kernel = functools.partial(_append_kernel, sm_scale=1.0 / math.sqrt(d),
                              pages_per_block=ppb, pages_per_split=pps, groups=g, heads=hq,
-                             window=window)
+                             window=window, rows_per_block=per_block)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   row = pl.BlockSpec((1,), lambda i, h, s: (i,))
   dtype = out_dtype if splits == 1 else jnp.float32  # Splits merge in float32.
@@ -100,7 +136,7 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
       grid=(b, hkv, splits),
       in_specs=[pl.BlockSpec((None, rows, d), lambda i, h, s: (i, 0, 0)), pool_spec,
                 pool_spec, pl.BlockSpec((None, splits * pps), lambda i, h, s: (i, 0)),
-                row, row, row],
+                row, row, row, *prior_specs],
       out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, s: (s, i, h, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),
                  pool_spec, pool_spec],
@@ -115,7 +151,7 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
       cost_estimate=_cost(jax.ShapeDtypeStruct((b, hkv, g, d), qkv.dtype), k_pages,
                           page_table.shape[1]),
       name="paged_attention_append_triton",
-  )(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot)
+  )(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot, *prior_args)
   if splits == 1:  # Enough sequences to fill the GPU: the answer itself, no merge pass.
     return out[0], lse[0], k_pages, v_pages
   out, lse = merge_attention_parts(out, lse)
@@ -123,14 +159,30 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
 
 
 def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, write_page,
-                                 write_slot, config, window=None, out_dtype=jnp.float32):
-  """Un-jitted core: (out [B, Hq, D] in out_dtype, lse [B, Hq] f32, k_pages, v_pages)."""
+                                 write_slot, config, window=None, out_dtype=jnp.float32,
+                                 prior=None):
+  """Un-jitted core: (out [B, Hq, D] in out_dtype, lse [B, Hq] f32, k_pages, v_pages).
+
+  prior: None, or attention of each row's queries over keys outside its table, which the
+  answer then includes: cascade decode's shared prefix, as kernels.paged_attention's
+  paged_attention_split_parts returns it for the blocks' grouped queries (out [S, Gb,
+  Hkv, R * G, D] f32 and lse [S, Gb, Hkv, R * G] f32 for Gb blocks of R = B / Gb rows,
+  row r's G queries of a KV head at [r * G, (r + 1) * G); kernels.cascade_attention's
+  group_queries). Its S parts are merged in the kernel, so no pass over them comes
+  between the two kernels, nor after when the context is not split.
+  """
   b, rows, d = qkv.shape
   hkv, num_pages, page_size, dk = k_pages.shape
   hq = rows - 2 * hkv
   if k_pages.shape != v_pages.shape or dk != d or hq <= 0 or hq % hkv:
     raise ValueError(f"qkv {qkv.shape} (Hq + 2 Hkv heads) does not fit pools "
                      f"{k_pages.shape} / {v_pages.shape}")
+  if prior is not None:
+    parts, blocks = prior[0].shape[:2]
+    if b % blocks or prior[0].shape[2:] != (hkv, b // blocks * (hq // hkv), d) or \
+        prior[1].shape != prior[0].shape[:-1]:
+      raise ValueError(f"prior parts {prior[0].shape} / {prior[1].shape} do not fit qkv "
+                       f"{qkv.shape} on {hkv} KV heads")
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
     raise ValueError(f"paged_attention_append is a Triton kernel, not {backend!r}; a TPU "
@@ -140,14 +192,15 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
   out, lse, k_pages, v_pages = _append_call(
       qkv, k_pages, v_pages, clip(page_table, num_pages - 1), clip(lengths, capacity),
       clip(write_page, num_pages - 1), clip(write_slot, page_size - 1), config, interpret,
-      window, out_dtype)
+      window, out_dtype, prior)
   return out.reshape(b, hq, d), lse.reshape(b, hq), k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnames=("config", "window"),
                    donate_argnames=("k_pages", "v_pages"))
 def paged_attention_append(qkv, k_pages, v_pages, page_table, lengths, write_page,
-                           write_slot, *, config=PagedAttentionConfig(), window=None):
+                           write_slot, *, config=PagedAttentionConfig(), window=None,
+                           prior=None):
   """Writes each sequence's new K/V and attends over its tokens, the new one included.
 
   Args:
@@ -161,13 +214,15 @@ def paged_attention_append(qkv, k_pages, v_pages, page_table, lengths, write_pag
       ``lengths - 1`` (a sink page for a row whose output is not wanted) and its slot.
     config: static tunables (backend must resolve to triton).
     window: static sliding window, as in paged_attention.
+    prior: None, or each row's attention over keys outside its table to include (cascade
+      decode's shared prefix; see paged_attention_append_parts).
 
   Returns:
     (out [B, Hq, D] in qkv's dtype, lse [B, Hq] float32, k_pages, v_pages).
   """
   return paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths,
                                       write_page, write_slot, config, window,
-                                      out_dtype=qkv.dtype)
+                                      out_dtype=qkv.dtype, prior=prior)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -202,6 +202,16 @@ def triton_blocks(q_shape, pool_shape, table_pages, config):
 def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
                        interpret, window=None):
   """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
+  out, lse = _paged_splits_triton(q, k_pages, v_pages, page_table, lengths, sm_scale,
+                                  config, interpret, window)
+  # One split (enough sequences to fill the GPU) is the answer itself: no merge pass.
+  return (out[0], lse[0]) if out.shape[0] == 1 else merge_attention_parts(out, lse)
+
+
+def _paged_splits_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
+                         interpret, window=None):
+  """q [B, Hkv, G, D] -> each context split's out [S, B, Hkv, G, D] f32 and lse
+  [S, B, Hkv, G] f32, unmerged."""
   b, hkv, g, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
   ppb, splits, pps, gp = triton_blocks(q.shape, k_pages.shape, page_table.shape[1], config)
@@ -231,8 +241,7 @@ def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, confi
       cost_estimate=_cost(q, k_pages, page_table.shape[1]),
       name="paged_attention_triton",
   )(q, k_pages, v_pages, page_table, lengths)
-  # One split (enough sequences to fill the GPU) is the answer itself: no merge pass.
-  return (out[0], lse[0]) if splits == 1 else merge_attention_parts(out, lse)
+  return out, lse
 
 
 # ----------------------------------------------------------------------------- TPU kernel
@@ -406,6 +415,24 @@ def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, wind
   out, lse = call(qg, k_pages, v_pages, page_table, lengths, 1.0 / math.sqrt(d), config,
                   interpret, window)
   return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def paged_attention_split_parts(q, k_pages, v_pages, page_table, lengths, config):
+  """The Triton kernel's context splits unmerged, for a caller that folds them into a
+  kernel of its own (cascade decode's suffix kernel, kernels.paged_append): q [B, Hq, D]
+  -> (out [S, B, Hkv, G, D] f32, lse [S, B, Hkv, G] f32) with G = Hq / Hkv, empty splits
+  (0, -inf); merged over the first axis they are paged_attention_parts' answer."""
+  _check_inputs(q, k_pages, v_pages, page_table, lengths)
+  backend, interpret = resolve_backend(config.backend, config.interpret)
+  if backend != "triton":
+    raise ValueError(f"unmerged splits come from the Triton kernel, not {backend!r}")
+  num_pages, capacity = k_pages.shape[1], page_table.shape[1] * k_pages.shape[2]
+  page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  b, hq, d = q.shape
+  qg = q.reshape(b, k_pages.shape[0], hq // k_pages.shape[0], d)
+  return _paged_splits_triton(qg, k_pages, v_pages, page_table, lengths,
+                              1.0 / math.sqrt(d), config, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "window"))

@@ -50,6 +50,14 @@ lora = cfg.replace(lora=LoraConfig(rank=8, targets=("wq", "wk", "wv", "wo", "w_g
 args = memory.decode_operands(lora, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
 text = memory.lower_decode(lora, *args, 4, layout, False).compile().as_text()
 out["lora"] = {**loop_launches(text), "bytes": program_cost(text).bytes}
+# Cascade decode (blocks of 4 rows sharing prompt pages): the prefix kernel's splits go to
+# the suffix kernel, which writes the K/V and returns the layer's attention itself.
+from jaxrl_post.rollout.attention import SharedPrefix
+int32 = lambda shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=layout.rows(len(shape)))
+args = memory.decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
+text = memory.lower_decode(cfg, *args, 4, layout, False,
+                           shared=SharedPrefix(int32((2, 4)), int32((2,)))).compile().as_text()
+out["cascade"] = loop_launches(text)
 # K and V of 36 GB (1,450,000 pages), the share of an H100 a run gives its pool: XLA:GPU
 # counted them twice and rematerialised the loop's fusions, K/V writes included.
 args = memory.decode_operands(cfg, 8, 1_450_001, 16, 4, "bfloat16", "bfloat16", 8, layout)
@@ -78,6 +86,12 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   lora = launches["lora"]  # 1.10x the base's bytes; 1.41x with W copied beside A
   assert lora["bytes"] <= 1.15 * launches["split"]["bytes"], (lora, launches["split"])
   assert "copy" not in lora["by_kind"] and lora["flag_reads"] == 0, lora
+  # Per layer the prefix kernel and its queries' grouping beside plain decode's launches
+  # (a merge of the two kernels' outputs and its rounding would be two more), and per
+  # step a few for the blocks' tables.
+  cascade = launches["cascade"]
+  assert cascade["by_kind"]["attention"] == 2 * 3, cascade
+  assert cascade["total"] <= launches["split"]["total"] + 2 * 3 + 4, (cascade, split)
 
 
 _PREFILL = """

@@ -316,15 +316,17 @@ class _Walker:
     """kernels.paged_append: qkv [rows, Hq + 2 Hkv, D] first, the pools k, v [Hkv, P, ps,
     D] next (updated in place: only the new tokens' rows are written), each row's page
     list [rows, M] at index 3; its results are the attention and log-sum-exp, then the
-    aliased pools, which are not traffic. K and V of each row's pages once per KV head."""
+    aliased pools, which are not traffic. K and V of each row's pages once per KV head,
+    and the prior parts (cascade's prefix, operands 7 on) once."""
     qkv, k, pages = (self.shapes.get(instr.operands[i], "") for i in (0, 1, 3))
+    prior = sum(shape_bytes(self.shapes.get(o, "")) for o in instr.operands[7:])
     rows, heads, d = _dims(qkv)
     hkv, keys = _dims(k)[0], _dims(pages)[1] * _dims(k)[2]
     itemsize = shape_bytes(k) / math.prod(_dims(k))
     results = sum(shape_bytes(s) for s in _tuple_elements(instr.shape)[:2])
     kv = 2 * itemsize * rows * hkv * (keys + 1) * d  # read, and the new token written
     return Cost(flops=4.0 * rows * (heads - 2 * hkv) * keys * d,
-                bytes=kv + shape_bytes(qkv) + results + shape_bytes(pages))
+                bytes=kv + shape_bytes(qkv) + results + shape_bytes(pages) + prior)
 
   def trip_count(self, instr: Instr, cond: str) -> float:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)

@@ -40,7 +40,8 @@ from jaxrl_post.kernels import cascade_attention, paged_attention
 from jaxrl_post.kernels.cascade_attention import group_queries, ungroup_queries
 from jaxrl_post.kernels.paged_append import paged_attention_append_parts
 from jaxrl_post.kernels.paged_attention import (PagedAttentionConfig, kernel_supports,
-                                                merge_attention_parts, paged_attention_parts)
+                                                merge_attention_parts,
+                                                paged_attention_split_parts)
 from jaxrl_post.kernels.paged_prefill import paged_prefill_attention as paged_prefill
 from jaxrl_post.models import layers as L
 from jaxrl_post.rollout.pages import cdiv
@@ -323,17 +324,17 @@ def cascade_decode_append(q, k, v, k_pool, v_pool, layer, pages, slots, shared: 
   prompt pages, which no row writes, are read first, then each row's own pages and its new
   token. Returns (attn [B, Hq, D] in q's dtype, k_pool, v_pool)."""
   (kf, offset), (vf, _) = _flat(k_pool, layer), _flat(v_pool, layer)
-  hq, groups, hkv = q.shape[1], shared.table.shape[0], k_pool.shape[0]
+  groups, hkv = shared.table.shape[0], k_pool.shape[0]
   config = PagedAttentionConfig()
-  pre_out, pre_lse = paged_attention_parts(group_queries(q, groups, hkv), kf, vf,
-                                           shared.table + offset, shared.lengths, config)
+  # The prefix kernel's context splits go to the suffix kernel unmerged: it folds them
+  # into its own softmax, so the two kernels are the layer's whole attention.
+  prior = paged_attention_split_parts(group_queries(q, groups, hkv), kf, vf,
+                                      shared.table + offset, shared.lengths, config)
   qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
-  suf_out, suf_lse, kf, vf = paged_attention_append_parts(
-      qkv, kf, vf, suffix_table + offset, suffix_lengths, pages + offset, slots, config)
-  out, _ = merge_attention_parts(
-      jnp.stack([ungroup_queries(pre_out, groups, hkv, hq), suf_out]),
-      jnp.stack([ungroup_queries(pre_lse, groups, hkv, hq), suf_lse]))
-  return out.astype(q.dtype), kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
+  out, _, kf, vf = paged_attention_append_parts(
+      qkv, kf, vf, suffix_table + offset, suffix_lengths, pages + offset, slots, config,
+      out_dtype=q.dtype, prior=prior)
+  return out, kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
 
 
 def cascade_decode_attention(q, k_pool, v_pool, layer, shared: SharedPrefix, suffix_table,

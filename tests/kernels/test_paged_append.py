@@ -64,3 +64,52 @@ def test_sliding_window_and_sink_rows():
   rows writing to the shared sink page whose outputs are ignored."""
   run_case(4, 2, 8, F32, [29, 17, 5, 32, 9], window=11, block_kv=16, num_splits=3,
            sink_rows=(1, 4))
+
+
+@pytest.mark.parametrize("dtype,prefix_splits,suffix_splits", [
+    (F32, 2, 1), (BF16, 2, 2), (F32, 1, 2)])
+def test_a_prior_prefix_is_folded_in_as_cascade_merges_it(dtype, prefix_splits,
+                                                          suffix_splits):
+  """Cascade decode: two blocks of three rows, each block sharing prompt pages (the
+  second none at all: its rows attend only to their own), the prefix kernel's splits
+  handed over unmerged. The answer is the prefix's and the suffix's attention merged."""
+  from jaxrl_post.kernels.cascade_attention import group_queries
+  from jaxrl_post.kernels.paged_attention import (merge_attention_parts,
+                                                  paged_attention_split_parts,
+                                                  paged_attention_with_lse_reference)
+  rng = np.random.default_rng(4)
+  hq, hkv, ps, rows, blocks = 4, 2, 8, 3, 2
+  b = rows * blocks
+  num_pages = 2 * b * MAX_PAGES + 2
+  k_pages, v_pages = random_pool(rng, hkv, num_pages, ps, D, dtype)
+  pages = rng.permutation(np.arange(1, num_pages))  # 0 is the sink
+  prefix_lengths = jnp.asarray([3 * ps, 0], jnp.int32)
+  prefix_table = jnp.asarray(pages[:2 * MAX_PAGES].reshape(blocks, MAX_PAGES), jnp.int32)
+  suffix = [1, ps + 2, 2 * ps, 5, ps, 3 * ps - 1]
+  table = jnp.asarray(pages[2 * MAX_PAGES:2 * MAX_PAGES + b * MAX_PAGES].reshape(
+      b, MAX_PAGES), jnp.int32)
+  lengths = np.asarray(suffix, np.int32)
+  write_page = np.take_along_axis(np.asarray(table), (lengths[:, None] - 1) // ps, 1)[:, 0]
+  qkv = jnp.asarray(rng.normal(size=(b, hq + 2 * hkv, D)), dtype)
+  tail = (table, jnp.asarray(lengths), jnp.asarray(write_page, jnp.int32),
+          jnp.asarray((lengths - 1) % ps, jnp.int32))
+
+  suf_out, suf_lse, k_want, v_want = reference(qkv, k_pages, v_pages, *tail)
+  pre_out, pre_lse = paged_attention_with_lse_reference(
+      qkv[:, :hq].astype(jnp.float32), k_pages, v_pages,
+      jnp.repeat(prefix_table, rows, axis=0), jnp.repeat(prefix_lengths, rows))
+  want_out, want_lse = merge_attention_parts(jnp.stack([pre_out, suf_out]),
+                                             jnp.stack([pre_lse, suf_lse]))
+
+  cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=prefix_splits)
+  prior = paged_attention_split_parts(group_queries(qkv[:, :hq], blocks, hkv), k_pages,
+                                      v_pages, prefix_table, prefix_lengths, cfg)
+  assert prior[0].shape == (prefix_splits, blocks, hkv, rows * hq // hkv, D)
+  cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=suffix_splits)
+  out, lse, k_got, v_got = paged_attention_append(qkv, k_pages, v_pages, *tail, config=cfg,
+                                                  prior=prior)
+  assert out.dtype == dtype
+  assert_close(out, want_out, dtype)
+  assert_close(lse, want_lse, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want))
+  np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))
