@@ -533,13 +533,15 @@ def window_map_operand(pool, layout):
 
 
 def lower_decode(model_cfg: ModelConfig, params, pool, state, steps: int, layout,
-                 truncation: bool = True, shared=None):
+                 truncation: bool = True, shared=None, width=None):
   """The engine's decode loop lowered on `decode_operands`' arguments (`shared`: cascade
-  attention's block prefixes, None for plain paged attention)."""
+  attention's block prefixes, None for plain paged attention; `width`: the page-table
+  columns the loop reads, None for all)."""
   from jaxrl_post.rollout.programs import decode_program
   return decode_program(layout).lower(params, pool, state, shared,
                                       window_map_operand(pool, layout), cfg=model_cfg,
-                                      steps=steps, truncation=truncation, layout=layout)
+                                      steps=steps, truncation=truncation, layout=layout,
+                                      width=width)
 
 
 def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: int,

@@ -8,7 +8,8 @@ step runs, each lowered exactly as the run jits it and compiled by the target's 
   memory), and at the rows its tokens fill (its time);
 * prefill: one packed prefill call of the engine at its configured rows and chunk;
 * decode: the engine's multi-step decode loop at the configured slots and a page table
-  as wide as the longest sequence;
+  as wide as the longest sequence (cascade attention where the engine decodes with it:
+  blocks of `group_slots` samples reading their prompt's whole pages once);
 * sync: the weight sync (cast + reshard training -> rollout layout).
 """
 
@@ -28,6 +29,7 @@ from jaxrl_post.plan import memory
 from jaxrl_post.plan.memory import CompiledMemory, TrainStepMemory, compiled_memory
 from jaxrl_post.rl.packing import bucket, completion_bucket
 from jaxrl_post.rl.trainer import Trainer
+from jaxrl_post.rollout.forward import cascade_refusal
 from jaxrl_post.rollout.layout import RolloutLayout, shard_count
 from jaxrl_post.rollout.pages import cdiv, window_span
 from jaxrl_post.rollout.weights import engine_form
@@ -68,6 +70,8 @@ class Shapes:
   num_slots: int  # decode slots over the rollout mesh
   table_pages: int  # page-table width of the longest sequence
   page_size: int
+  group_slots: int  # slots per cascade block (0: plain paged attention)
+  shared_pages: int  # a block's shared prompt pages (cascade; 0 otherwise)
   prefill_rows: int  # packed prefill rows per data shard and call
   prefill_width: int  # tokens per prefill row
 
@@ -81,13 +85,19 @@ def shapes(exp, trainer: Trainer, layout: RolloutLayout) -> Shapes:
                                              trainer.batch_shards)
   filled = bucket(math.ceil(per_micro * longest / t.row_tokens), trainer.batch_shards)
   page = eng.pool.page_size
+  # The engine decodes with cascade attention when asked and the model allows it; a
+  # block shares the whole pages of its prompt.
+  group = eng.group_slots if eng.group_slots and cascade_refusal(trainer.model_cfg) is None \
+      else 0
   return Shapes(samples=samples, longest=longest,
                 completion_len=completion_bucket(r.max_new_tokens), rows=rows,
                 rows_filled=min(filled, rows), sequences=sequences,
                 num_slots=shard_count(eng.num_slots, layout.data_shards, eng.group_slots),
                 table_pages=cdiv(min(eng.max_seq_len or longest, longest), page),
                 page_size=page, prefill_rows=eng.prefill_rows,
-                prefill_width=min(eng.prefill_chunk, exp.prompts.max_prompt_tokens))
+                prefill_width=min(eng.prefill_chunk, exp.prompts.max_prompt_tokens),
+                group_slots=group,
+                shared_pages=exp.prompts.max_prompt_tokens // page if group else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +148,10 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                                exp.rollout.engine.max_stop_ids, layout,
                                                window_pages_per_shard=wpages)
   r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
+  shared, width = _cascade_operands(s, layout)
   decode = compiled_memory(memory.lower_decode(cfg, params, pool, state, steps, layout,
-                                                r.top_k > 0 or r.top_p < 1).compile(), analyse=True)
+                                                r.top_k > 0 or r.top_p < 1, shared,
+                                                width).compile(), analyse=True)
   prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile(), analyse=True)
   sync, sync_bytes = _compile_sync(exp, cfg, meshes, layout)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
@@ -147,6 +159,19 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                   decode=decode, decode_steps=steps, sync=sync,
                   rollout_weight_bytes=memory.device_bytes(params),
                   decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)
+
+
+def _cascade_operands(s: Shapes, layout: RolloutLayout):
+  """(SharedPrefix, the slots' table width after it) of a cascade decode call at the
+  longest sequence, as the engine passes them; (None, None) for plain paged attention."""
+  if not s.group_slots:
+    return None, None
+  from jaxrl_post.rollout.attention import SharedPrefix
+  blocks = s.num_slots // s.group_slots
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32,
+                                             sharding=layout.rows(len(shape)))
+  return (SharedPrefix(spec(blocks, max(s.shared_pages, 1)), spec(blocks)),
+          s.table_pages - s.shared_pages)
 
 
 def _decode_weight_bytes(cfg: ModelConfig, params) -> int:

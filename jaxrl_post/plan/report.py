@@ -115,7 +115,10 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   # of a token's bytes, as the engine sizes it (rollout.pages.window_share).
   share = window_share(cfg, s.page_size, s.table_pages, p.decode_steps)
   kv_per_token = int(pool_page_bytes(cfg, 1, kv_dtype, share)) // kv_shards
-  kv_needed = s.num_slots // data * s.table_pages * s.page_size
+  # Cascade blocks hold (and a step reads) their prompt's whole pages once.
+  blocks = s.num_slots // s.group_slots if s.group_slots else 0
+  kv_needed = (s.num_slots * (s.table_pages - s.shared_pages) +
+               blocks * s.shared_pages) // data * s.page_size
   kv_bytes = (kv_needed + s.page_size) * kv_per_token  # the sink page too
   colocated = p.meshes.colocated
   in_flight = versions_in_flight(exp) * rollout_bytes(cfg, p.meshes.rollout,
