@@ -182,6 +182,24 @@ def test_an_engine_that_splits_its_layers_holds_the_rollout_weights_once():
   assert p.rollout_weight_bytes == 4 * p.model.num_params
 
 
+def test_a_grpo_config_is_planned_with_the_cascade_decode_its_engine_runs():
+  """group_slots makes the engine decode blocks of samples with cascade attention: the
+  plan lowers that loop, and its slots need (and a step reads) the prompt's whole pages
+  once per block."""
+  from jaxrl_post.plan import programs, report
+  devices = jax.devices()[:1]
+  cascade, plain = _quickstart("quickstart.gin"), _quickstart(
+      "quickstart.gin", "EngineConfig.group_slots = 0")
+  p, q = programs.compile_programs(cascade, devices), programs.compile_programs(plain, devices)
+  s = p.shapes
+  assert (s.group_slots, q.shapes.group_slots) == (4, 0)
+  assert s.shared_pages == cascade.prompts.max_prompt_tokens // s.page_size > 0
+  assert report._memory_plan(q, plain, 1 << 30).kv_needed == 16 * s.table_pages * s.page_size
+  assert report._memory_plan(p, cascade, 1 << 30).kv_needed == (
+      16 * (s.table_pages - s.shared_pages) + 4 * s.shared_pages) * s.page_size
+  assert p.decode.cost.bytes != q.decode.cost.bytes  # Another program.
+
+
 def test_a_gpu_step_pays_for_each_decode_kernel_and_a_tpu_step_does_not():
   """Decode launches hundreds of small kernels a step; on a GPU each costs the chip's
   kernel_s of device time beyond its bytes (measured on an H100), a TPU runs one program."""
