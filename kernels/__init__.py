@@ -4,8 +4,10 @@ A leaf package: it imports only jax. Each kernel picks its lowering per call -- 
 GPU, Mosaic (or JAX's splash attention) on TPU, the Pallas interpreter on CPU -- and keeps
 its tunables in a frozen config dataclass passed as a static argument.
 
-* paged_attention: decode attention against a paged KV pool (GQA, ragged lengths).
-* paged_append: the GPU's decode attention that also writes the new token's K/V.
+* paged_attention: decode attention against a paged KV pool (GQA, ragged lengths); on a
+  GPU also cascade's block prefix (paged_attention_block_parts).
+* paged_append: the GPU's decode attention that also writes the new token's K/V (and
+  folds in a block prefix's parts).
 * paged_prefill: packed prompt chunks against their own pages (the engine's prefill).
 * cascade_attention: shared-prompt decode for groups of samples, merged by log-sum-exp.
 * packed_attention: causal attention over packed segments, with gradients.

@@ -46,12 +46,12 @@ def _fold_new(q, kn, vn, carry, sm_scale, mine):
   return m_new, alpha * l + p, alpha * acc + p * vn.astype(jnp.float32)[None, :]
 
 
-def _prior_carry(out_ref, lse_ref, start, gp, rows):
-  """(m, l, acc) of rows [start, start + gp) of attention parts over other keys (out_ref
-  [S, N, D], lse_ref [S, N]: S parts, unmerged), as the online softmax would hold them
-  after those keys; parts with no keys (lse -inf) add nothing."""
-  parts = [(pltriton.load(out_ref.at[i, pl.ds(start, gp), :], mask=rows[:, None], other=0),
-            pltriton.load(lse_ref.at[i, pl.ds(start, gp)], mask=rows,
+def _prior_carry(out_ref, lse_ref, gp, rows):
+  """(m, l, acc) of gp query rows (`rows` real) given attention parts over other keys
+  (out_ref [S, G, D], lse_ref [S, G]: S parts, unmerged), as the online softmax would hold
+  them after those keys; parts with no keys (lse -inf) add nothing."""
+  parts = [(pltriton.load(out_ref.at[i, pl.ds(0, gp), :], mask=rows[:, None], other=0),
+            pltriton.load(lse_ref.at[i, pl.ds(0, gp)], mask=rows,
                           other=MASK_VALUE).reshape(gp, 1))
            for i in map(jnp.int32, range(out_ref.shape[0]))]
   m = functools.reduce(jnp.maximum, [lse for _, lse in parts], jnp.float32(MASK_VALUE))
@@ -62,16 +62,15 @@ def _prior_carry(out_ref, lse_ref, start, gp, rows):
 
 def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs, sm_scale,
                    pages_per_block, pages_per_split, groups, heads, window=None,
-                   rows_per_block=None):
+                   prior=False):
   """One (sequence, KV head, context split): qkv_ref [Hq + 2 Hkv, D] (the sequence's
   queries, new keys and new values), pools [P, ps, D]; the length counts the new token.
-  With rows_per_block, refs start with the block's prior parts ([S, R * G, D] and
-  [S, R * G]: cascade's shared prefix, its queries grouped by row), which split 0 starts
-  its online softmax from."""
-  if rows_per_block is None:
-    o_ref, lse_ref, k_out, v_out = refs
-  else:
+  With `prior`, refs start with the sequence's prior parts of the head ([S, G, D] and
+  [S, G]: cascade's shared prefix), which split 0 starts its online softmax from."""
+  if prior:
     prior_out, prior_lse, o_ref, lse_ref, k_out, v_out = refs
+  else:
+    o_ref, lse_ref, k_out, v_out = refs
   page_size = k_ref.shape[1]
   h, split = pl.program_id(1), pl.program_id(2)
   new_k, new_v = heads + h, heads + (qkv_ref.shape[0] - heads) // 2 + h  # rows of qkv
@@ -84,10 +83,9 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs
   rows = jnp.arange(gp) < groups
   q = pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), :], mask=rows[:, None], other=0)
   carry = _empty_carry(gp, d)
-  if rows_per_block is not None:
-    start = (pl.program_id(0) % rows_per_block) * groups
-    prior = _prior_carry(prior_out, prior_lse, start, gp, rows)
-    carry = tuple(jnp.where(split == 0, a, b) for a, b in zip(prior, carry))
+  if prior:
+    before = _prior_carry(prior_out, prior_lse, gp, rows)
+    carry = tuple(jnp.where(split == 0, a, b) for a, b in zip(before, carry))
   carry = _fold_pages(q, k_ref, v_ref, pt_ref, carry, first, num_blocks,
                       pages_per_block, sm_scale,
                       lambda pos: _visible(pos, length, window) & (pos < old))
@@ -116,18 +114,14 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
   ppb, splits, pps, gp = triton_blocks((b, hkv, g, d), k_pages.shape, page_table.shape[1],
                                        config)
   page_table = jnp.pad(page_table, ((0, 0), (0, splits * pps - page_table.shape[1])))
-  prior_specs, prior_args, per_block = [], (), None
-  if prior is not None:  # Each row reads its block's parts for its KV head.
-    prior_args, parts, blocks = prior, prior[0].shape[0], prior[0].shape[1]
-    per_block = b // blocks
-    prior_specs = [
-        pl.BlockSpec((parts, None, None, per_block * g, d),
-                     lambda i, h, s: (0, i // per_block, h, 0, 0)),
-        pl.BlockSpec((parts, None, None, per_block * g),
-                     lambda i, h, s: (0, i // per_block, h, 0))]
+  prior_specs, prior_args = [], ()
+  if prior is not None:  # Each program reads its row's parts for its KV head.
+    prior_args, parts = prior, prior[0].shape[0]
+    prior_specs = [pl.BlockSpec((parts, None, None, g, d), lambda i, h, s: (0, i, h, 0, 0)),
+                   pl.BlockSpec((parts, None, None, g), lambda i, h, s: (0, i, h, 0))]
   kernel = functools.partial(_append_kernel, sm_scale=1.0 / math.sqrt(d),
                              pages_per_block=ppb, pages_per_split=pps, groups=g, heads=hq,
-                             window=window, rows_per_block=per_block)
+                             window=window, prior=prior is not None)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   row = pl.BlockSpec((1,), lambda i, h, s: (i,))
   dtype = out_dtype if splits == 1 else jnp.float32  # Splits merge in float32.
@@ -164,11 +158,9 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
   """Un-jitted core: (out [B, Hq, D] in out_dtype, lse [B, Hq] f32, k_pages, v_pages).
 
   prior: None, or attention of each row's queries over keys outside its table, which the
-  answer then includes: cascade decode's shared prefix, as kernels.paged_attention's
-  paged_attention_split_parts returns it for the blocks' grouped queries (out [S, Gb,
-  Hkv, R * G, D] f32 and lse [S, Gb, Hkv, R * G] f32 for Gb blocks of R = B / Gb rows,
-  row r's G queries of a KV head at [r * G, (r + 1) * G); kernels.cascade_attention's
-  group_queries). Its S parts are merged in the kernel, so no pass over them comes
+  answer then includes: cascade decode's shared prefix as S parts, unmerged (out [S, B,
+  Hkv, G, D] f32, lse [S, B, Hkv, G] f32, G = Hq / Hkv; kernels.paged_attention's
+  paged_attention_block_parts). They are merged in the kernel, so no pass over them comes
   between the two kernels, nor after when the context is not split.
   """
   b, rows, d = qkv.shape
@@ -177,12 +169,10 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
   if k_pages.shape != v_pages.shape or dk != d or hq <= 0 or hq % hkv:
     raise ValueError(f"qkv {qkv.shape} (Hq + 2 Hkv heads) does not fit pools "
                      f"{k_pages.shape} / {v_pages.shape}")
-  if prior is not None:
-    parts, blocks = prior[0].shape[:2]
-    if b % blocks or prior[0].shape[2:] != (hkv, b // blocks * (hq // hkv), d) or \
-        prior[1].shape != prior[0].shape[:-1]:
-      raise ValueError(f"prior parts {prior[0].shape} / {prior[1].shape} do not fit qkv "
-                       f"{qkv.shape} on {hkv} KV heads")
+  if prior is not None and (prior[0].shape[1:] != (b, hkv, hq // hkv, d) or
+                            prior[1].shape != prior[0].shape[:-1]):
+    raise ValueError(f"prior parts {prior[0].shape} / {prior[1].shape} do not fit qkv "
+                     f"{qkv.shape} on {hkv} KV heads")
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
     raise ValueError(f"paged_attention_append is a Triton kernel, not {backend!r}; a TPU "

@@ -202,16 +202,6 @@ def triton_blocks(q_shape, pool_shape, table_pages, config):
 def _paged_call_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
                        interpret, window=None):
   """q [B, Hkv, G, D] -> out [B, Hkv, G, D] f32, lse [B, Hkv, G] f32."""
-  out, lse = _paged_splits_triton(q, k_pages, v_pages, page_table, lengths, sm_scale,
-                                  config, interpret, window)
-  # One split (enough sequences to fill the GPU) is the answer itself: no merge pass.
-  return (out[0], lse[0]) if out.shape[0] == 1 else merge_attention_parts(out, lse)
-
-
-def _paged_splits_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, config,
-                         interpret, window=None):
-  """q [B, Hkv, G, D] -> each context split's out [S, B, Hkv, G, D] f32 and lse
-  [S, B, Hkv, G] f32, unmerged."""
   b, hkv, g, d = q.shape
   _, num_pages, page_size, _ = k_pages.shape
   ppb, splits, pps, gp = triton_blocks(q.shape, k_pages.shape, page_table.shape[1], config)
@@ -241,7 +231,8 @@ def _paged_splits_triton(q, k_pages, v_pages, page_table, lengths, sm_scale, con
       cost_estimate=_cost(q, k_pages, page_table.shape[1]),
       name="paged_attention_triton",
   )(q, k_pages, v_pages, page_table, lengths)
-  return out, lse
+  # One split (enough sequences to fill the GPU) is the answer itself: no merge pass.
+  return (out[0], lse[0]) if splits == 1 else merge_attention_parts(out, lse)
 
 
 # ----------------------------------------------------------------------------- TPU kernel
@@ -417,22 +408,82 @@ def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, wind
   return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-def paged_attention_split_parts(q, k_pages, v_pages, page_table, lengths, config):
-  """The Triton kernel's context splits unmerged, for a caller that folds them into a
-  kernel of its own (cascade decode's suffix kernel, kernels.paged_append): q [B, Hq, D]
-  -> (out [S, B, Hkv, G, D] f32, lse [S, B, Hkv, G] f32) with G = Hq / Hkv, empty splits
-  (0, -inf); merged over the first axis they are paged_attention_parts' answer."""
-  _check_inputs(q, k_pages, v_pages, page_table, lengths)
+def _block_kernel_triton(qkv_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
+                         sm_scale, pages_per_block, pages_per_split, rows, groups):
+  """One (block of rows, KV head, context split) of cascade's shared prefix: qkv_ref
+  [Rp, Hq + 2 Hkv, D] the block's rows (the first `rows` real), of which the head's
+  `groups` queries of each row are read and attended as one [Rp * Gp, D] matrix."""
+  page_size = k_ref.shape[1]
+  length = len_ref[0]
+  first = pl.program_id(2) * pages_per_split
+  end = jnp.minimum(first + pages_per_split, pl.cdiv(length, page_size))
+  num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+  rp, gp, d = o_ref.shape
+  real = (jnp.arange(rp) < rows)[:, None] & (jnp.arange(gp) < groups)[None, :]
+  heads = qkv_ref.at[:, pl.ds(pl.program_id(1) * groups, gp), :]
+  q = pltriton.load(heads, mask=real[:, :, None], other=0).reshape(rp * gp, d)
+  carry = _fold_pages(q, k_ref, v_ref, pt_ref, _empty_carry(rp * gp, d), first, num_blocks,
+                      pages_per_block, sm_scale, lambda pos: pos < length)
+  out, lse = _finish(*carry)
+  pltriton.store(o_ref, out.reshape(rp, gp, d), mask=real[:, :, None])
+  pltriton.store(lse_ref, lse.reshape(rp, gp), mask=real)
+
+
+def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_lengths, config):
+  """Cascade decode's shared prefix on a GPU: each block of R = B / Gb rows attends to its
+  block's pages, which are read once per block and KV head for all its rows' queries.
+
+  qkv [B, Hq + 2 Hkv, D]: each row's queries, then its new keys and values, as
+  kernels.paged_append takes them (one array for both kernels: the queries are not
+  copied out of it); rows of a block are consecutive. block_table [Gb, M], block_lengths
+  [Gb].
+  Returns each context split's parts unmerged, per row: out [S, B, Hkv, G, D] f32 and lse
+  [S, B, Hkv, G] f32 (G = Hq / Hkv; empty parts (0, -inf)), for a kernel that folds them
+  into its own softmax (kernels.paged_append's `prior`). The queries are read where the
+  rows hold them (no grouped copy is made); Triton needs power-of-two blocks, so R
+  and G are padded to powers of two under a mask, at least 16 query rows a program.
+  """
+  b, heads, d = qkv.shape
+  hkv, num_pages, page_size, _ = k_pages.shape
+  blocks, hq = block_table.shape[0], heads - 2 * hkv
+  _check_inputs(qkv[:, :hq], k_pages, v_pages, jnp.repeat(block_table, b // blocks, axis=0),
+                jnp.repeat(block_lengths, b // blocks))
+  if b % blocks:
+    raise ValueError(f"{b} rows do not make {blocks} blocks")
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
-    raise ValueError(f"unmerged splits come from the Triton kernel, not {backend!r}")
-  num_pages, capacity = k_pages.shape[1], page_table.shape[1] * k_pages.shape[2]
-  page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  b, hq, d = q.shape
-  qg = q.reshape(b, k_pages.shape[0], hq // k_pages.shape[0], d)
-  return _paged_splits_triton(qg, k_pages, v_pages, page_table, lengths,
-                              1.0 / math.sqrt(d), config, interpret)
+    raise ValueError(f"the block prefix kernel is a Triton kernel, not {backend!r}")
+  r, g = b // blocks, hq // hkv
+  rp = pl.next_power_of_2(r)
+  gp = max(pl.next_power_of_2(g), pl.cdiv(16, rp))
+  ppb, splits, pps, _ = triton_blocks((blocks, hkv, r * g, d), k_pages.shape,
+                                      block_table.shape[1], config)
+  table = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
+  table = jnp.pad(table, ((0, 0), (0, splits * pps - table.shape[1])))
+  lengths = jnp.clip(block_lengths.astype(jnp.int32), 0, block_table.shape[1] * page_size)
+  kernel = functools.partial(_block_kernel_triton, sm_scale=1.0 / math.sqrt(d),
+                             pages_per_block=ppb, pages_per_split=pps, rows=r, groups=g)
+  pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(blocks, hkv, splits),
+      in_specs=[pl.BlockSpec((None, rp, heads, d), lambda i, h, s: (i, 0, 0, 0)),
+                pool_spec, pool_spec,
+                pl.BlockSpec((None, splits * pps), lambda i, h, s: (i, 0)),
+                pl.BlockSpec((1,), lambda i, h, s: (i,))],
+      out_specs=[
+          pl.BlockSpec((None, None, rp, None, gp, d), lambda i, h, s: (s, i, 0, h, 0, 0)),
+          pl.BlockSpec((None, None, rp, None, gp), lambda i, h, s: (s, i, 0, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((splits, blocks, r, hkv, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, blocks, r, hkv, g), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      cost_estimate=_cost(jax.ShapeDtypeStruct((blocks, hkv, r * g, d), qkv.dtype),
+                          k_pages, table.shape[1]),
+      name="paged_attention_blocks_triton",
+  )(qkv.reshape(blocks, r, heads, d), k_pages, v_pages, table, lengths)
+  return out.reshape(splits, b, hkv, g, d), lse.reshape(splits, b, hkv, g)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "window"))

@@ -301,12 +301,17 @@ class _Walker:
     return Cost(bytes=self.io_bytes(instr))
 
   def paged_attention(self, instr: Instr, table: int) -> Cost:
-    """A paged kernel's operands: q [rows, Hkv, queries per KV head, D] first, the pool
-    k, v [Hkv, P, ps, D] next, each row's page list [rows, M] at index `table` (decode:
-    kernels.paged_attention._cost; prefill: kernels.paged_prefill._cost, an upper bound
-    where a window reads fewer). K and V of each row's listed pages once per KV head."""
+    """A paged kernel's operands: q first, the pool k, v [Hkv, P, ps, D] next, each row's
+    page list [rows, M] at index `table` (decode: kernels.paged_attention._cost; prefill:
+    kernels.paged_prefill._cost, an upper bound where a window reads fewer). K and V of
+    each row's listed pages once per KV head. Prefill's q is [rows, Hkv, queries per KV
+    head, D]; a decode kernel's queries per row and KV head are read off its first result
+    ([splits, rows, ..., Hkv, G, D]: cascade's block prefix reads R rows' queries a
+    program from the rows' q/k/v array)."""
     q, k, pages = (self.shapes.get(instr.operands[i], "") for i in (0, 1, table))
-    rows, hkv, queries, d = _dims(q)
+    hkv, d, rows = _dims(k)[0], _dims(k)[-1], _dims(pages)[0]
+    per = _dims(q) if table != 3 else _dims(_tuple_elements(instr.shape)[0])[1:]
+    queries = math.prod(per) // (rows * hkv * d)
     keys = _dims(pages)[1] * _dims(k)[2]
     kv = 2 * shape_bytes(k) / math.prod(_dims(k)) * rows * hkv * keys * d
     return Cost(flops=4.0 * rows * hkv * queries * keys * d,

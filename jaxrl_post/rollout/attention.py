@@ -24,8 +24,10 @@ kernels.kv_write and a CPU with a scatter, then attend.
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
 rows, each row's own pages once, and the two partial attentions merge by log-sum-exp. On
-GPU/TPU it is jaxrl_post.kernels.cascade_attention on the stacked pool; on the CPU the jnp
-path does the same split with the kernels' own query grouping and merge.
+a TPU it is jaxrl_post.kernels.cascade_attention on the stacked pool; on a GPU the prefix
+kernel hands its parts to the suffix kernel that also writes the K/V
+(`cascade_decode_append`); on the CPU the jnp path does the same split with the kernels'
+own query grouping and merge.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jaxrl_post.kernels.cascade_attention import group_queries, ungroup_queries
 from jaxrl_post.kernels.paged_append import paged_attention_append_parts
 from jaxrl_post.kernels.paged_attention import (PagedAttentionConfig, kernel_supports,
                                                 merge_attention_parts,
-                                                paged_attention_split_parts)
+                                                paged_attention_block_parts)
 from jaxrl_post.kernels.paged_prefill import paged_prefill_attention as paged_prefill
 from jaxrl_post.models import layers as L
 from jaxrl_post.rollout.pages import cdiv
@@ -321,16 +323,17 @@ def cascade_decode_append(q, k, v, k_pool, v_pool, layer, pages, slots, shared: 
                           suffix_table, suffix_lengths):
   """cascade_decode_attention with the new K/V written by its suffix part's kernel
   (kernels.paged_append), as paged_decode_append does for plain decode: the block's
-  prompt pages, which no row writes, are read first, then each row's own pages and its new
-  token. Returns (attn [B, Hq, D] in q's dtype, k_pool, v_pool)."""
+  prompt pages, which no row writes, are read first (kernels.paged_attention's
+  paged_attention_block_parts), then each row's own pages and its new token. Returns
+  (attn [B, Hq, D] in q's dtype, k_pool, v_pool)."""
   (kf, offset), (vf, _) = _flat(k_pool, layer), _flat(v_pool, layer)
-  groups, hkv = shared.table.shape[0], k_pool.shape[0]
   config = PagedAttentionConfig()
-  # The prefix kernel's context splits go to the suffix kernel unmerged: it folds them
-  # into its own softmax, so the two kernels are the layer's whole attention.
-  prior = paged_attention_split_parts(group_queries(q, groups, hkv), kf, vf,
-                                      shared.table + offset, shared.lengths, config)
+  # Both kernels read the queries from the one q/k/v array, and the prefix kernel's
+  # context splits go to the suffix kernel unmerged: it folds them into its own softmax,
+  # so the two kernels are the layer's whole attention.
   qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+  prior = paged_attention_block_parts(qkv, kf, vf, shared.table + offset, shared.lengths,
+                                      config)
   out, _, kf, vf = paged_attention_append_parts(
       qkv, kf, vf, suffix_table + offset, suffix_lengths, pages + offset, slots, config,
       out_dtype=q.dtype, prior=prior)

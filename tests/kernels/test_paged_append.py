@@ -70,12 +70,12 @@ def test_sliding_window_and_sink_rows():
     (F32, 2, 1), (BF16, 2, 2), (F32, 1, 2)])
 def test_a_prior_prefix_is_folded_in_as_cascade_merges_it(dtype, prefix_splits,
                                                           suffix_splits):
-  """Cascade decode: two blocks of three rows, each block sharing prompt pages (the
-  second none at all: its rows attend only to their own), the prefix kernel's splits
-  handed over unmerged. The answer is the prefix's and the suffix's attention merged."""
-  from jaxrl_post.kernels.cascade_attention import group_queries
+  """Cascade decode: two blocks of three rows (not a power of two: padded in the prefix
+  kernel), each block sharing prompt pages (the second none at all: its rows attend only
+  to their own), the prefix kernel's splits handed over unmerged. The answer is the
+  prefix's and the suffix's attention merged."""
   from jaxrl_post.kernels.paged_attention import (merge_attention_parts,
-                                                  paged_attention_split_parts,
+                                                  paged_attention_block_parts,
                                                   paged_attention_with_lse_reference)
   rng = np.random.default_rng(4)
   hq, hkv, ps, rows, blocks = 4, 2, 8, 3, 2
@@ -102,9 +102,9 @@ def test_a_prior_prefix_is_folded_in_as_cascade_merges_it(dtype, prefix_splits,
                                              jnp.stack([pre_lse, suf_lse]))
 
   cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=prefix_splits)
-  prior = paged_attention_split_parts(group_queries(qkv[:, :hq], blocks, hkv), k_pages,
-                                      v_pages, prefix_table, prefix_lengths, cfg)
-  assert prior[0].shape == (prefix_splits, blocks, hkv, rows * hq // hkv, D)
+  prior = paged_attention_block_parts(qkv, k_pages, v_pages, prefix_table, prefix_lengths,
+                                      cfg)
+  assert prior[0].shape == (prefix_splits, b, hkv, hq // hkv, D)
   cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=suffix_splits)
   out, lse, k_got, v_got = paged_attention_append(qkv, k_pages, v_pages, *tail, config=cfg,
                                                   prior=prior)
