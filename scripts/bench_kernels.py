@@ -199,6 +199,61 @@ def bench_cascade(args, rng) -> dict:
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 
 
+def bench_cascade_append(args, rng) -> dict:
+  """The GPU engine's cascade decode attention: the block prefix's kernel
+  (paged_attention_block_parts) and the suffix kernel that writes the new K/V and folds
+  the prefix's parts in (paged_attention_append with prior=), as
+  rollout.attention.cascade_decode_append calls them, against kernels.cascade_attention
+  (which neither writes nor reads the queries in place). Shapes as bench_cascade."""
+  from jaxrl_post.kernels.paged_append import paged_attention_append
+  from jaxrl_post.kernels.paged_attention import (PagedAttentionConfig,
+                                                  paged_attention_block_parts)
+  groups = max(1, args.batch // args.samples)
+  batch = groups * args.samples
+  pre_pages, suf_pages = args.context // args.page_size, args.suffix // args.page_size
+  pre_len, suf_len = pre_pages * args.page_size, suf_pages * args.page_size
+  q, k_pages, v_pages, table = decode_inputs(args, rng, batch, pre_pages + suf_pages)
+  prefix = table[::args.samples, :pre_pages]
+  suffix = table[:, pre_pages:]
+  pre_lengths = jnp.full((groups,), pre_len, jnp.int32)
+  suf_lengths = jnp.full((batch,), suf_len, jnp.int32)  # the new token at suf_len - 1
+  new = jnp.asarray(rng.standard_normal((batch, 2 * args.kv_heads, args.head_dim),
+                                        np.float32), q.dtype)
+  qkv = jnp.concatenate([q, new], axis=1)
+  page = suffix[:, -1]
+  slot = jnp.full((batch,), (suf_len - 1) % args.page_size, jnp.int32)
+  config = PagedAttentionConfig()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def engine(k_pages, v_pages):
+    prior = paged_attention_block_parts(qkv, k_pages, v_pages, prefix, pre_lengths, config)
+    out, _, k_pages, v_pages = paged_attention_append(
+        qkv, k_pages, v_pages, suffix, suf_lengths, page, slot, config=config, prior=prior)
+    return out, k_pages, v_pages
+
+  kv = jnp.swapaxes(new, 0, 1)  # [2 Hkv, B, D]
+  written = (k_pages.at[:, page, slot].set(kv[:args.kv_heads]),
+             v_pages.at[:, page, slot].set(kv[args.kv_heads:]))
+  want = jax.jit(kernels.cascade_attention_reference)(q, *written, prefix, pre_lengths,
+                                                      suffix, suf_lengths)
+  cascade = jax.jit(kernels.cascade_attention)
+  pools = [jnp.copy(k_pages), jnp.copy(v_pages)]
+
+  def run():  # Each call takes the pools the previous one returned.
+    out, *pools[:] = engine(*pools)
+    return out
+
+  result = {"groups": groups, "samples": args.samples, "prefix": pre_len, "suffix": suf_len,
+            "kernel_ms": median_ms(run, runs=args.runs, warmup=args.warmup),
+            "cascade_attention_ms": median_ms(cascade, q, *written, prefix, pre_lengths,
+                                              suffix, suf_lengths, runs=args.runs,
+                                              warmup=args.warmup),
+            "max_abs_err": max_abs_err(run(), want)}
+  row = args.kv_heads * args.head_dim * q.dtype.itemsize * 2
+  kv_bytes = row * (groups * pre_len + batch * suf_len)
+  return result | bandwidth(kv_bytes + 2 * qkv.nbytes, result["kernel_ms"])
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -319,6 +374,7 @@ def main():
   for name, bench in [("paged_attention", bench_paged), ("paged_append", bench_append),
                       ("paged_prefill", bench_prefill),
                       ("cascade_attention", bench_cascade),
+                      ("cascade_append", bench_cascade_append),
                       ("packed_attention", bench_packed), ("chunked_logprob", bench_logprob)]:
     results[name] = bench(args, rng)
     if not args.json:
@@ -328,7 +384,7 @@ def main():
   results["chunked_logprob_memory_ratio"] = memory["ratio"]
   results["max_abs_err"] = {k: results[k]["max_abs_err"] for k in
                             ("paged_attention", "paged_append", "paged_prefill",
-                             "cascade_attention",
+                             "cascade_attention", "cascade_append",
                              "packed_attention", "chunked_logprob")}
   if args.json:
     print(json.dumps(results))
