@@ -89,15 +89,18 @@ def shapes(exp, trainer: Trainer, layout: RolloutLayout) -> Shapes:
   # block shares the whole pages of its prompt.
   group = eng.group_slots if eng.group_slots and cascade_refusal(trainer.model_cfg) is None \
       else 0
+  table = cdiv(min(eng.max_seq_len or longest, longest), page)
   return Shapes(samples=samples, longest=longest,
                 completion_len=completion_bucket(r.max_new_tokens), rows=rows,
                 rows_filled=min(filled, rows), sequences=sequences,
                 num_slots=shard_count(eng.num_slots, layout.data_shards, eng.group_slots),
-                table_pages=cdiv(min(eng.max_seq_len or longest, longest), page),
+                table_pages=table,
                 page_size=page, prefill_rows=eng.prefill_rows,
                 prefill_width=min(eng.prefill_chunk, exp.prompts.max_prompt_tokens),
                 group_slots=group,
-                shared_pages=exp.prompts.max_prompt_tokens // page if group else 0)
+                # At least the new token's page is a slot's own.
+                shared_pages=min(exp.prompts.max_prompt_tokens // page, table - 1) if group
+                else 0)
 
 
 @dataclasses.dataclass(frozen=True)
