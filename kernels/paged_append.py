@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_post.kernels.paged_attention import (
-    MASK_VALUE, PagedAttentionConfig, _cost, _empty_carry, _finish, _fold_pages, _visible,
-    merge_attention_parts, paged_attention_with_lse_reference, resolve_backend,
-    triton_blocks)
+    MASK_VALUE, PagedAttentionConfig, _cost, _empty_carry, _finish, _fold_pages,
+    _split_pages, _visible, merge_attention_parts, paged_attention_with_lse_reference,
+    resolve_backend, triton_blocks)
 
 
 def _fold_new(q, kn, vn, carry, sm_scale, mine):
@@ -76,9 +76,7 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs
   new_k, new_v = heads + h, heads + (qkv_ref.shape[0] - heads) // 2 + h  # rows of qkv
   length = len_ref[0]
   old = length - 1  # Keys already in the pool; the new one is at position `old`.
-  first = split * pages_per_split
-  end = jnp.minimum(first + pages_per_split, pl.cdiv(old, page_size))
-  num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+  first, num_blocks = _split_pages(split, old, page_size, pages_per_split, pages_per_block)
   gp, d = o_ref.shape
   rows = jnp.arange(gp) < groups
   q = pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), :], mask=rows[:, None], other=0)

@@ -136,6 +136,14 @@ def _fold_pages(q, k_ref, v_ref, pt_ref, carry, first, num_blocks, pages_per_blo
   return jax.lax.fori_loop(0, num_blocks, body, carry)
 
 
+def _split_pages(split, keys, page_size, pages_per_split, pages_per_block):
+  """(first page, page blocks) of context split `split` over a table holding `keys` keys:
+  the split's pages that hold any, in blocks of pages_per_block."""
+  first = split * pages_per_split
+  end = jnp.minimum(first + pages_per_split, pl.cdiv(keys, page_size))
+  return first, pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+
+
 def _empty_carry(rows, d):
   return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
           jnp.zeros((rows, d), jnp.float32))
@@ -147,9 +155,8 @@ def _paged_kernel_triton(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *
   rows are queries (the rest masked), k_ref/v_ref [P, ps, D]."""
   page_size = k_ref.shape[1]
   length = len_ref[0]
-  first = pl.program_id(2) * pages_per_split
-  end = jnp.minimum(first + pages_per_split, pl.cdiv(length, page_size))
-  num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+  first, num_blocks = _split_pages(pl.program_id(2), length, page_size, pages_per_split,
+                                   pages_per_block)
   gp, d = q_ref.shape
   rows = jnp.arange(gp) < groups
   q = pltriton.load(q_ref, mask=rows[:, None], other=0)
@@ -415,9 +422,8 @@ def _block_kernel_triton(qkv_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref,
   `groups` queries of each row are read and attended as one [Rp * Gp, D] matrix."""
   page_size = k_ref.shape[1]
   length = len_ref[0]
-  first = pl.program_id(2) * pages_per_split
-  end = jnp.minimum(first + pages_per_split, pl.cdiv(length, page_size))
-  num_blocks = pl.cdiv(jnp.maximum(end - first, 0), pages_per_block)
+  first, num_blocks = _split_pages(pl.program_id(2), length, page_size, pages_per_split,
+                                   pages_per_block)
   rp, gp, d = o_ref.shape
   real = (jnp.arange(rp) < rows)[:, None] & (jnp.arange(gp) < groups)[None, :]
   heads = qkv_ref.at[:, pl.ds(pl.program_id(1) * groups, gp), :]
@@ -444,12 +450,14 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
   and G are padded to powers of two under a mask, at least 16 query rows a program.
   """
   b, heads, d = qkv.shape
-  hkv, num_pages, page_size, _ = k_pages.shape
+  hkv, num_pages, page_size, dk = k_pages.shape
   blocks, hq = block_table.shape[0], heads - 2 * hkv
-  _check_inputs(qkv[:, :hq], k_pages, v_pages, jnp.repeat(block_table, b // blocks, axis=0),
-                jnp.repeat(block_lengths, b // blocks))
-  if b % blocks:
-    raise ValueError(f"{b} rows do not make {blocks} blocks")
+  if k_pages.shape != v_pages.shape or dk != d or hq <= 0 or hq % hkv:
+    raise ValueError(f"qkv {qkv.shape} (Hq + 2 Hkv heads) does not fit pools "
+                     f"{k_pages.shape} / {v_pages.shape}")
+  if b % blocks or block_lengths.shape != (blocks,):
+    raise ValueError(f"{b} rows do not make blocks of block_table {block_table.shape} / "
+                     f"block_lengths {block_lengths.shape}")
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
     raise ValueError(f"the block prefix kernel is a Triton kernel, not {backend!r}")

@@ -173,19 +173,29 @@ def bench_prefill(args, rng) -> dict:
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 
 
-def bench_cascade(args, rng) -> dict:
-  """Prompt of --context tokens shared by --samples samples, each with --suffix tokens."""
+def cascade_inputs(args, rng):
+  """A prompt of --context tokens shared by --samples samples, each with --suffix tokens:
+  (groups, q, k_pages, v_pages, (prefix table, prefix lengths, suffix table, suffix
+  lengths)) as cascade attention takes them."""
   groups = max(1, args.batch // args.samples)
   batch = groups * args.samples
   pre_pages, suf_pages = args.context // args.page_size, args.suffix // args.page_size
   pre_len, suf_len = pre_pages * args.page_size, suf_pages * args.page_size
   q, k_pages, v_pages, table = decode_inputs(args, rng, batch, pre_pages + suf_pages)
   prefix = table[::args.samples, :pre_pages]  # each group's first sequence owns the prompt
-  inputs = (q, k_pages, v_pages, prefix, jnp.full((groups,), pre_len, jnp.int32),
-            table[:, pre_pages:], jnp.full((batch,), suf_len, jnp.int32))
+  tables = (prefix, jnp.full((groups,), pre_len, jnp.int32), table[:, pre_pages:],
+            jnp.full((batch,), suf_len, jnp.int32))
+  return groups, q, k_pages, v_pages, tables
+
+
+def bench_cascade(args, rng) -> dict:
+  """Prompt of --context tokens shared by --samples samples, each with --suffix tokens."""
+  groups, q, k_pages, v_pages, tables = cascade_inputs(args, rng)
+  batch, pre_len, suf_len = q.shape[0], int(tables[1][0]), int(tables[3][0])
+  inputs = (q, k_pages, v_pages, *tables)
   kernel = jax.jit(kernels.cascade_attention)
   reference = jax.jit(kernels.cascade_attention_reference)
-  flat_table = jnp.concatenate([jnp.repeat(prefix, args.samples, axis=0), table[:, pre_pages:]], 1)
+  flat_table = jnp.concatenate([jnp.repeat(tables[0], args.samples, axis=0), tables[2]], 1)
   flat_lengths = jnp.full((batch,), pre_len + suf_len, jnp.int32)
   flat = (q, k_pages, v_pages, flat_table, flat_lengths)
   paged = jax.jit(kernels.paged_attention)
@@ -208,15 +218,9 @@ def bench_cascade_append(args, rng) -> dict:
   from jaxrl_post.kernels.paged_append import paged_attention_append
   from jaxrl_post.kernels.paged_attention import (PagedAttentionConfig,
                                                   paged_attention_block_parts)
-  groups = max(1, args.batch // args.samples)
-  batch = groups * args.samples
-  pre_pages, suf_pages = args.context // args.page_size, args.suffix // args.page_size
-  pre_len, suf_len = pre_pages * args.page_size, suf_pages * args.page_size
-  q, k_pages, v_pages, table = decode_inputs(args, rng, batch, pre_pages + suf_pages)
-  prefix = table[::args.samples, :pre_pages]
-  suffix = table[:, pre_pages:]
-  pre_lengths = jnp.full((groups,), pre_len, jnp.int32)
-  suf_lengths = jnp.full((batch,), suf_len, jnp.int32)  # the new token at suf_len - 1
+  groups, q, k_pages, v_pages, tables = cascade_inputs(args, rng)
+  prefix, pre_lengths, suffix, suf_lengths = tables  # the new token at suf_len - 1
+  batch, pre_len, suf_len = q.shape[0], int(pre_lengths[0]), int(suf_lengths[0])
   new = jnp.asarray(rng.standard_normal((batch, 2 * args.kv_heads, args.head_dim),
                                         np.float32), q.dtype)
   qkv = jnp.concatenate([q, new], axis=1)
@@ -234,8 +238,7 @@ def bench_cascade_append(args, rng) -> dict:
   kv = jnp.swapaxes(new, 0, 1)  # [2 Hkv, B, D]
   written = (k_pages.at[:, page, slot].set(kv[:args.kv_heads]),
              v_pages.at[:, page, slot].set(kv[args.kv_heads:]))
-  want = jax.jit(kernels.cascade_attention_reference)(q, *written, prefix, pre_lengths,
-                                                      suffix, suf_lengths)
+  want = jax.jit(kernels.cascade_attention_reference)(q, *written, *tables)
   cascade = jax.jit(kernels.cascade_attention)
   pools = [jnp.copy(k_pages), jnp.copy(v_pages)]
 
@@ -245,8 +248,7 @@ def bench_cascade_append(args, rng) -> dict:
 
   result = {"groups": groups, "samples": args.samples, "prefix": pre_len, "suffix": suf_len,
             "kernel_ms": median_ms(run, runs=args.runs, warmup=args.warmup),
-            "cascade_attention_ms": median_ms(cascade, q, *written, prefix, pre_lengths,
-                                              suffix, suf_lengths, runs=args.runs,
+            "cascade_attention_ms": median_ms(cascade, q, *written, *tables, runs=args.runs,
                                               warmup=args.warmup),
             "max_abs_err": max_abs_err(run(), want)}
   row = args.kv_heads * args.head_dim * q.dtype.itemsize * 2
