@@ -366,7 +366,11 @@ def _packed_splash(q, k, v, segment_ids, window, cfg, interpret):
   per_row = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=splash.SegmentIds(s1, s1))
   scaled_q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)
   out = jax.vmap(per_row)(to_heads(scaled_q), to_heads(k), to_heads(v), seg)
-  return out.transpose(0, 2, 1, 3)[:, :t]
+  # Splash attends padding (segment 0) to padding: zeroed here. The Triton and blocked
+  # kernels' masks give padding queries no keys, so their outputs and gradients there are
+  # already exactly 0; a select after them would cost a pass over the output and another
+  # over its gradient in every layer.
+  return jnp.where((segment_ids != 0)[:, :, None, None], out.transpose(0, 2, 1, 3)[:, :t], 0)
 
 # ----------------------------------------------------------------------------- CPU path
 
@@ -588,8 +592,7 @@ def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig(),
   if sliding_window is not None and sliding_window < 1:
     raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
   backend, interpret = _resolve(config)
-  out = _IMPLS[backend](q, k, v, segment_ids, sliding_window, config, interpret)
-  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+  return _IMPLS[backend](q, k, v, segment_ids, sliding_window, config, interpret)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -52,10 +52,16 @@ def check(config, q, k, v, seg, weights, dtype):
   return out, grads
 
 
+BACKENDS = {"triton": SMALL, "blocked": dict(jnp_block=16)}
+
+
 @pytest.mark.parametrize("dtype,group", [(F32, 1), (BF16, 2), (F32, 4), (BF16, 4)],
                          ids=["f32-g1", "bf16-g2", "f32-g4", "bf16-g4"])
-def test_triton_kernel_values_and_grads(dtype, group):
-  cfg = kernels.PackedAttentionConfig(backend="triton", **SMALL)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_values_and_grads(backend, dtype, group):
+  """Padding is exactly 0 in the output and in every gradient, the output's gradient there
+  nonzero (`weights`): the kernels' masks alone must give it, nothing selects after them."""
+  cfg = kernels.PackedAttentionConfig(backend=backend, **BACKENDS[backend])
   out, grads = check(cfg, *inputs(group, 2 * group, 2, dtype), dtype)
   padding = SEGMENTS == 0
   assert np.all(np.asarray(out, np.float32)[padding] == 0)
