@@ -123,6 +123,9 @@ def test_targets_name_the_published_slices():
     targets.resolve("v7-9")
   found = targets.target_devices(targets.resolve("v6e-4"))
   assert len(found.devices) == 4 and found.compiled_for == "target"
+  # Abstract chips: plan keeps their programs out of the persistent cache (none would load).
+  assert found.compile_only
+  assert not targets.target_devices(targets.resolve("local")).compile_only
 
 
 def _plan_cli(*args):

@@ -77,13 +77,11 @@ def run(argv: Sequence[str]) -> int:
   args = _parser().parse_args(argv)
   target = targets.resolve(args.target)
   targets.prepare(target)  # before jax starts its backends
-  # A compile-only TPU client cannot load executables back from the persistent cache.
-  on_tpu = target.chip is not None and target.chip.platform == "tpu"
-  compile_cache.enable("off" if on_tpu else args.compilation_cache)
   if not args.gin_file:
     raise UserError("no config: pass --gin_file=configs/<name>.gin")
   plugins.import_modules(args.gin_import)  # The config may bind the user's own classes.
   found = targets.target_devices(target)
+  compile_cache.enable("off" if found.compile_only else args.compilation_cache)
   if args.fit:
     return _fit(args, target, found)
   try:

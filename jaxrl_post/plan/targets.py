@@ -115,6 +115,17 @@ class Devices:
   devices: list
   compiled_for: str  # "target", or why not
 
+  @property
+  def compile_only(self) -> bool:
+    """Whether these are abstract devices of a compile-only client (libtpu's topologies, the
+    CUDA plugin on a host without a GPU): their executables cannot be loaded, so none can
+    come back from jax's persistent cache either (reading one fails, with a warning, and
+    the program is compiled again)."""
+    import jax
+
+    platform = self.devices[0].platform if self.devices else "cpu"
+    return platform != "cpu" and not any(d.platform == platform for d in jax.devices())
+
 
 def _tpu_topology(chip: str, chips: int) -> str:
   """libtpu's topology name: 2-D tori for v5e/v6e, 3-D for v4/v5p, as square as it goes."""
