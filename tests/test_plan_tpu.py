@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_post import plan
 from jaxrl_post.models import preset
-from jaxrl_post.plan import hlo_cost, report, targets
+from jaxrl_post.plan import hlo_cost, hlo_sources, report, targets
 from jaxrl_post.rl.trainer import TrainerConfig
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.sharding import MeshConfig, make_mesh
@@ -96,6 +96,27 @@ def test_cost_walker_counts_scanned_layers_by_their_trip_count():
     assert cost.bytes >= n * 128 * 128 * 4  # every layer's weights are read
 
 
+def _in_loop(w, x):  # Module-level functions: the sources below are named by them.
+  return jax.lax.fori_loop(0, 10, lambda i, h: jnp.tanh(h @ w), x)
+
+
+def _once(x):
+  return jnp.exp(x) * 2.0
+
+
+def test_bytes_by_source_names_the_functions_that_traced_them():
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+  text = jax.jit(lambda w, x: _once(_in_loop(w, x))).lower(w, x).compile().as_text()
+  sources = hlo_sources.bytes_by_source(text, top=50)
+  by = {s["source"].split(" ")[0]: s for s in sources}
+  assert by["_in_loop.<locals>.<lambda>"]["launches"] % 10 == 0  # each trip counted
+  assert by["_in_loop.<locals>.<lambda>"]["bytes"] > by["_once"]["bytes"] > 0
+  assert "tests/test_plan_tpu.py:" in by["_once"]["source"]
+  assert sum(s["bytes"] for s in sources) == pytest.approx(hlo_cost.program_cost(text).bytes)
+  assert sum(s["share"] for s in sources) == pytest.approx(1.0, abs=1e-3)
+
+
 def test_cost_walker_counts_a_predicated_conds_branches_and_its_flag_reads():
   """lax.cond on a bool compiles to a conditional naming true/false computations: its
   costlier branch is counted, and its flag, and a data-dependent loop exit's, are reads."""
@@ -145,6 +166,10 @@ def test_plan_cli_on_the_quickstart_prints_a_json_verdict():
   assert set(result["predicted_s"]) == {"prefill", "decode", "train", "sync", "step"}
   assert result["predicted_s"]["step"] > 0 and result["kv_tokens"] > 0
   assert result["rollout_payload_bytes"] == 32 * 8 * 4 * 12  # samples x tokens x 12 bytes
+  # Where the train step's bytes go, by the model code that traced them.
+  train = result["bytes_by_source"]["train"]
+  assert train and all(0 < s["share"] <= 1 for s in train), train
+  assert any("models/" in s["source"] for s in train), train
 
 
 def test_plan_cli_errors_are_one_line():

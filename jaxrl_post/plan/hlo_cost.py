@@ -402,6 +402,35 @@ def program_cost(hlo_text: str) -> ProgramCost:
   return ProgramCost(total.flops, total.bytes, total.collective_bytes, walker.unknown_loops)
 
 
+def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
+  """(instruction, times per program call, cost of one) for every instruction the device
+  executes (fusions, kernels, copies, collectives), control flow walked as program_cost
+  walks it: a while body at its trip count, a conditional's costliest branch. Their costs
+  times `times` sum to program_cost's."""
+  computations, entry = parse(hlo_text)
+  walker, leaves = _Walker(computations), []
+
+  def walk(name: str, times: float) -> None:
+    for instr in computations.get(name, []):
+      op = instr.opcode
+      if op == "while":
+        trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
+        walk(_attr(instr.attrs, "body"), times * trips)
+        walk(_attr(instr.attrs, "condition"), times * trips)
+      elif op == "conditional":
+        branches = _branches(instr)
+        if branches:
+          walk(max(branches, key=lambda b: walker.computation(b).bytes), times)
+      elif op == "call":
+        walk(_attr(instr.attrs, "to_apply"), times)
+      elif op not in _FREE:
+        leaves.append((instr, times, walker.instruction(instr)))
+
+  if entry:
+    walk(entry, 1.0)
+  return leaves
+
+
 _KERNEL_CALLS = {"tpu_custom_call": "mosaic", "__gpu$xla.gpu.triton": "triton"}
 
 

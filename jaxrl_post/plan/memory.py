@@ -31,6 +31,7 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, abstract_model
 from jaxrl_post.plan.buffers import Allocation, largest_allocations, reported_allocations
 from jaxrl_post.plan.hlo_cost import ProgramCost, kernels_in, loop_launches, program_cost
+from jaxrl_post.plan.hlo_sources import bytes_by_source
 from jaxrl_post.models.transformer import logical_axes, params_of
 from jaxrl_post.rl.forward import PackedInputs
 from jaxrl_post.rl.packing import bucket
@@ -63,6 +64,8 @@ class CompiledMemory:
       (empty unless analysed).
     launches: device launches per iteration of the program's main loop, by kind
       (plan.hlo_cost.loop_launches; None unless analysed, or without a loop).
+    sources: the functions whose ops move the most bytes, per call
+      (plan.hlo_sources.bytes_by_source; empty unless analysed).
   """
 
   argument_bytes: int
@@ -74,6 +77,7 @@ class CompiledMemory:
   cost: Optional[ProgramCost] = None
   kernels: tuple[str, ...] = ()
   launches: Optional[dict] = None
+  sources: tuple = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -179,7 +183,8 @@ def compiled_memory(compiled, analyse: bool = False) -> CompiledMemory:
                         alias_bytes=int(m.alias_size_in_bytes),
                         flops=_flops(compiled), cost=program_cost(text) if analyse else None,
                         kernels=kernels_in(text) if analyse else (),
-                        launches=loop_launches(text) if analyse else None)
+                        launches=loop_launches(text) if analyse else None,
+                        sources=tuple(bytes_by_source(text)) if analyse else ())
 
 
 def _flops(compiled) -> float:

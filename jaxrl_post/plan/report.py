@@ -52,6 +52,8 @@ class Plan:
   rollout_payload_bytes: int
   decode_bytes_vs_floor: float
   decode_kernels_per_step: dict  # total, per_layer, by_kind (plan.hlo_cost.loop_launches)
+  # program -> the functions whose ops move most of its bytes (plan.hlo_sources)
+  bytes_by_source: dict
   largest_buffers: list
   notes: list
 
@@ -206,6 +208,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
                                 PAYLOAD_BYTES_PER_TOKEN),
       decode_bytes_vs_floor=round(p.decode.cost.bytes / p.decode_steps / floor, 3),
       decode_kernels_per_step=_per_step(p.decode.launches, p.model.num_layers),
+      bytes_by_source={"train": list(p.train_filled.sources), "decode": list(p.decode.sources)},
       largest_buffers=[] if fits else [{"bytes": a.bytes, "values": a.values}
                                        for a in train.largest[:5]],
       notes=_notes(p, target, compiled_for))
@@ -285,6 +288,10 @@ def text(plan: Plan) -> str:
             if cost else "")
     lines.append(f"decode kernels per step: {k['total']:.0f} ({k['per_layer']} per layer, "
                  f"{k['flag_reads']:.0f} control flags read back{paid})")
+  for role, sources in plan.bytes_by_source.items():
+    if sources:
+      lines.append(f"{role} bytes by source: " + "; ".join(
+          f"{s['source']} {s['share']:.0%}" for s in sources[:5]))
   for buf in plan.largest_buffers:
     lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
   lines.extend(f"note: {n}" for n in plan.notes)
