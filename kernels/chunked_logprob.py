@@ -43,13 +43,20 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedLogprobConfig:
-  """Block sizes (static). Peak temporary memory is about 4 x token_block x vocab_block x 4 B.
+  """Block sizes (static). Peak temporary memory is about 4 x token_block x vocab_block x 4 B
+  (512 MB at the defaults; fewer tokens than a block take a block of their size).
+
+  Each [token block, vocab block] tile of the backward reads and writes the vocab block's
+  float32 lm_head gradient once, and the forward copies the block's lm_head columns once:
+  at 1,024 tokens a block those were a third of the pass's bytes on an H100 (XLA:GPU's
+  compile of Qwen3-0.6B's head, 16k tokens: 4,096-token blocks move 29% fewer bytes in 71%
+  fewer launches; 4,096 x 4,096 moves 9% more than 4,096 x 8,192).
 
   Attributes:
     token_block: tokens per block (padded with zero rows to a multiple).
     vocab_block: vocabulary columns per block (padded with masked zero columns).
   """
-  token_block: int = 1024
+  token_block: int = 4096
   vocab_block: int = 8192
 
 
