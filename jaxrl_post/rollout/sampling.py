@@ -145,7 +145,14 @@ def _last_positive(x):  # [..., N] >= 0 -> [...] index of the last entry > 0 (0 
 
 
 def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded) -> [B]
-  """One categorical draw per row from softmax(scaled) with a single uniform per row.
+  """One categorical draw per row from softmax(scaled) with a single uniform per row."""
+  return _draw(keys, scaled)[0]
+
+
+def _draw(keys, scaled):
+  """(tokens [B], each row's max [B], log of its mass over that max [B]) of
+  inverse_cdf_draw: max + log mass is the row's log-sum-exp, so the draw's logprob needs
+  no pass of its own over the row.
 
   The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
   CPU. Here the uniform's share of the row's mass is located first among blocks of
@@ -174,7 +181,8 @@ def inverse_cdf_draw(keys, scaled):  # [B] keys, [B, V] float32 (-inf: excluded)
   inner = jnp.where(index < v, jnp.exp(logits - peak), 0.0)  # [B, blk]
   within = jnp.maximum(target - (take(block_cum) - take(block_mass)), 0.0)
   i = jnp.sum(jnp.cumsum(inner, axis=-1) <= within[:, None], axis=-1, dtype=jnp.int32)
-  return block * blk + jnp.minimum(i, _last_positive(inner))
+  return (block * blk + jnp.minimum(i, _last_positive(inner)), peak[:, 0],
+          jnp.log(block_cum[:, -1]))
 
 
 def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True,
@@ -218,11 +226,6 @@ def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool
                       temperature, top_k, top_p)
 
 
-def _logprob(scaled, tokens):  # [B, V], [B] -> [B] log softmax(scaled) at tokens
-  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-  return picked - jax.nn.logsumexp(scaled, axis=-1)
-
-
 def _greedy(logits, keys, temperature, top_k, top_p):
   del keys, temperature, top_k, top_p
   # The argmax's logit is the row's max: log softmax there is -log sum exp(logits - max),
@@ -243,5 +246,9 @@ def _mixed(logits, keys, temperature, top_k, top_p, truncation=True, shortcuts=T
     cut, floor = jax.lax.cond(needs_cut, truncate, lambda s, k, p: (s, floor), scaled,
                               top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
-  tokens = jnp.where(greedy, first_argmax(logits), inverse_cdf_draw(keys, scaled))
-  return tokens, _logprob(scaled, tokens), jnp.where(greedy, -jnp.inf, floor)
+  drawn, peak, log_mass = _draw(keys, scaled)
+  # A greedy row's scaled logits are its logits: the draw's max is the argmax's too. One
+  # pass over [B, V] fewer for each (the rows' f32 logits: 4% of a 1B decode step's bytes).
+  tokens = jnp.where(greedy, first_argmax(logits, peak[:, None]), drawn)
+  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+  return tokens, picked - peak - log_mass, jnp.where(greedy, -jnp.inf, floor)
