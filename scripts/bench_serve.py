@@ -72,16 +72,22 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
   from jaxrl_post.plan.hlo_cost import program_cost, program_launches
   from jaxrl_post.plan.report import predicted_seconds
   from jaxrl_post.rl.packing import bucket
+  from jaxrl_post.rollout import weights
   from jaxrl_post.serve import adapters
+  from jaxrl_post.sharding import AXES
 
   cfg = preset(shapes, param_dtype="bfloat16", compute_dtype="bfloat16")
   lora_cfg = cfg.replace(lora=LoraConfig(rank=rank, alpha=32.0,
                                          targets=adapters.ATTN + adapters.MLP))
-  mesh = Mesh(np.asarray(targets.target_devices(target).devices[:1]), ("x",))
+  mesh = Mesh(np.asarray(targets.target_devices(target).devices[:1]).reshape((1,) * len(AXES)),
+              AXES)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                    sharding=NamedSharding(mesh, P()))
   like = lambda tree: jax.tree.map(lambda x: spec(x.shape, x.dtype), tree)
   bank = like(adapters.stacked(adapters.adapter_shapes(lora_cfg), capacity))
+  base = like(params_of(abstract_model(cfg)))
+  if weights.engine_form(cfg, mesh) is not None:  # The form a server there holds it in.
+    base = weights.abstract_split(base, cfg.num_layers)
   chip = target.chip
 
   def predict(compiled) -> dict:
@@ -96,7 +102,7 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
              "targets": spec((n, width), jnp.int32), "mask": spec((n, width), jnp.float32),
              "inputs": {"weights": spec((n, width), jnp.float32)}}
     fb = adapters.batch_program(lora_cfg, "cross_entropy", False).trace(
-        bank, bank, like(params_of(abstract_model(cfg))), batch, {}).lower().compile()
+        bank, bank, base, batch, {}).lower().compile()
     k = min(capacity, bucket(a, 1))
     per_slot = lambda dtype: spec((k,), dtype)
     hp = {f.name: per_slot(jnp.float32) for f in dataclasses.fields(adapters.AdamParams)}

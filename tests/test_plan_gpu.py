@@ -64,6 +64,23 @@ out["cascade"] = loop_launches(text)
 args = memory.decode_operands(cfg, 8, 1_450_001, 16, 4, "bfloat16", "bfloat16", 8, layout)
 text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
 out["big_pool"] = {**loop_launches(text), "remat": text.count(".remat")}
+# The service's batched LoRA forward/backward (serve.adapters) over the base as a server on
+# a GPU holds it (split per layer, shared with its engines) and stacked.
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxrl_post.models.transformer import abstract_model, params_of
+from jaxrl_post.plan.hlo_cost import program_launches
+from jaxrl_post.rollout import weights
+from jaxrl_post.serve import adapters
+spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
+served = cfg.replace(lora=LoraConfig(rank=8, targets=adapters.ATTN + adapters.MLP))
+bank = jax.tree.map(spec, jax.eval_shape(lambda: adapters.stacked(adapters.adapter_shapes(served), 3)))
+base = jax.tree.map(spec, params_of(abstract_model(cfg)))
+rows = lambda dtype, *shape: spec(jax.ShapeDtypeStruct((4, *shape), dtype))
+batch = {"slot": rows(np.int32), "tokens": rows(np.int32, 32), "targets": rows(np.int32, 32),
+         "mask": rows(np.float32, 32), "inputs": {"weights": rows(np.float32, 32)}}
+for name, form in (("service_stacked", base), ("service_split", weights.abstract_split(base, 3))):
+  program = adapters.batch_program(served, "cross_entropy", False)
+  out[name] = program_launches(program.trace(bank, bank, form, batch, {}).lower().compile().as_text())
 print(json.dumps(out))
 """
 
@@ -93,6 +110,11 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   cascade = launches["cascade"]
   assert cascade["by_kind"]["attention"] == 2 * 3, cascade
   assert cascade["total"] <= launches["split"]["total"] + 3 + 4, (cascade, split)
+  # The service's training program over the split base copies no layer's weights either.
+  service, stacked = launches["service_split"], launches["service_stacked"]
+  assert stacked["by_kind"].get("slice_copy", 0) >= 3 * 7, stacked
+  assert "slice_copy" not in service["by_kind"], service
+  assert service["total"] < stacked["total"], (service, stacked)
 
 
 _PREFILL = """

@@ -175,9 +175,14 @@ class Transformer(nnx.Module):
 
   def forward_routed(self, tokens, positions, segment_ids=None,
                      attention: L.TrainingAttention = L.TrainingAttention(), recorded=None,
-                     replay: bool = True):
+                     replay: bool = True, layers=None):
     """The packed forward, and each MoE layer's routing (moe.Routing, [L, ...]; None for
     a dense model).
+
+    layers: the decoder's weights as a tuple of per-layer dicts (rollout.weights' split
+      form), unrolled so each matmul reads its layer's buffers where they lie (XLA:GPU
+      copies a scanned layer's slices out of the stack first); None scans the model's own
+      stacked layers.
 
     recorded: [B, T, L, k] expert ids recorded by the rollout engine (moe.NO_EXPERT where
       none was), or None.
@@ -198,9 +203,15 @@ class Transformer(nnx.Module):
       return post_attention(cfg, x, p, attend(layer, q, k, v), rec, valid, replay)
 
     body = _maybe_remat(body, cfg.remat)
-    layers = (self.layers.stacked(), layer_ids(cfg),
-              moe.recorded_layers(recorded, cfg.num_layers))
-    x, routing = jax.lax.scan(body, x, layers)
+    recorded = moe.recorded_layers(recorded, cfg.num_layers)
+    if layers is None:
+      x, routing = jax.lax.scan(body, x, (self.layers.stacked(), layer_ids(cfg), recorded))
+    else:
+      routed = []
+      for i, p in enumerate(layers):
+        x, r = body(x, (p, jnp.int32(i), None if recorded is None else recorded[i]))
+        routed.append(r)
+      routing = jax.tree.map(lambda *r: jnp.stack(r), *routed)
     return constrain(self.final_rms_norm(x), _RESIDUAL), routing
 
   def forward_cached(self, tokens, positions, cache: KVCache, write_start):

@@ -1,7 +1,8 @@
 """Many LoRA adapters of one rank over one frozen base model, trained in batched programs.
 
 The adapters live stacked on a slot axis: each LoRA matrix is [L, S, ...] for S slots
-(L layers first, so the layer scan slices it as it slices the base weights). A batch
+(L layers first, so the layer scan slices it as it slices the base weights; over a base
+split per layer, as on a GPU, each unrolled layer takes its own index). A batch
 of datums from several adapters runs as ONE forward/backward: each row gathers its
 adapter ([L, B, ...]; models.transformer._dense applies one adapter per row), the loss
 is the sum of every row's, and the gradient of the gather adds each row's gradient into
@@ -27,6 +28,7 @@ from jaxrl_post.models.config import LoraConfig, ModelConfig
 from jaxrl_post.models.transformer import abstract_model, lora_param_shapes, with_params
 from jaxrl_post.rl.forward import head_logprobs
 from jaxrl_post.rl.packing import bucket
+from jaxrl_post.rollout import weights
 from jaxrl_post.serve import losses
 
 # LoRA on every matrix of attention and MLP (Tinker's train_attn and train_mlp).
@@ -64,7 +66,8 @@ def stacked(tree, slots: int):  # [L, ...] leaves -> [L, S, ...] zeros, `slots` 
 
 
 class AdapterBank:
-  """`capacity` adapter slots of `lora` over `base` (a params_of dict without adapters)."""
+  """`capacity` adapter slots of `lora` over `base` (a params_of dict without adapters,
+  its layers stacked or split as rollout.weights splits them: Service.base)."""
 
   def __init__(self, cfg: ModelConfig, base: dict, lora: LoraConfig, capacity: int,
                mesh: Optional[jax.sharding.Mesh] = None):
@@ -206,19 +209,32 @@ def fresh_adapter(shapes: dict, seed: int) -> dict:
   return jax.tree_util.tree_map_with_path(init, shapes)
 
 
+def bind_rows(model, base: dict, lora: dict, slot):
+  """(`model` bound to `base` with each row's adapter gathered from `lora` ([L, S, ...]
+  leaves) by `slot` [B], the per-layer weights or None).
+
+  `base` is stacked or in the engines' split form (rollout.weights: on a GPU); split, each
+  layer's adapters are gathered beside its base buffers and the forward unrolls them."""
+  if not weights.is_split(base):
+    per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])
+    return with_params(model, {**base, "layers": {**base["layers"], **per_row}}), None
+  bound, layers = weights.bind(model.config, base)
+  return bound, tuple({**p, **jax.tree.map(lambda x, i=i: jnp.take(x[i], slot, axis=0),
+                                           lora["layers"])}
+                      for i, p in enumerate(layers))
+
+
 @functools.lru_cache(maxsize=None)
 def batch_program(cfg: ModelConfig, loss_fn: str, forward_only: bool):
   """The jitted batched forward(/backward) of one loss (cached per model and loss)."""
   loss, model = losses.LOSSES.get(loss_fn), abstract_model(cfg)
 
   def total_loss(lora, base, batch, config):
-    per_row_lora = jax.tree.map(lambda x: jnp.take(x, batch["slot"], axis=1), lora)
-    params = {**base, "layers": {**base["layers"], **per_row_lora["layers"]}}
-    m = with_params(model, params)
+    m, layers = bind_rows(model, base, lora, batch["slot"])
     b, t = batch["tokens"].shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     segments = batch["mask"].astype(jnp.int32)
-    hidden = m(batch["tokens"], positions, segments)  # [B, T, D]
+    hidden, _ = m.forward_routed(batch["tokens"], positions, segments, layers=layers)  # [B, T, D]
     lp, _ = head_logprobs(hidden.reshape(1, b * t, -1), m.lm_head_weight().astype(hidden.dtype),
                           batch["targets"].reshape(1, b * t), 1.0, ChunkedLogprobConfig())
     lp = lp.reshape(b, t) * batch["mask"]

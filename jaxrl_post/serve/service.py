@@ -25,9 +25,12 @@ from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
+from jaxrl_post.rollout import weights
+from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.serve import requests as R
 from jaxrl_post.serve import store as S
 from jaxrl_post.serve import wire
@@ -87,11 +90,21 @@ class Served:
 
   name: str  # what clients call it (get_info's model_name)
   cfg: ModelConfig
-  params: dict  # params_of, without adapters
+  params: Optional[dict]  # params_of, without adapters (Service keeps them as its base)
   tokenizer_dir: str  # tokenizer.json for the client's AutoTokenizer
   eos_ids: tuple[int, ...]
   encode: Callable[[str], list[int]]
   aliases: tuple[str, ...] = ()  # other names create_model may use for it
+
+
+def shared_base(cfg: ModelConfig, params: dict, engine: EngineConfig, mesh=None) -> dict:
+  """`params` placed once for every bank and engine (replicated over `mesh`), in the form
+  the engines hold (rollout.weights.engine_form)."""
+  if mesh is not None:
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+  if weights.engine_form(cfg, mesh, engine.split_layers) is None:
+    return params
+  return weights.split_layers(params, cfg.num_layers)
 
 
 class Service:
@@ -103,7 +116,12 @@ class Service:
     self.runs: dict[str, Run] = {}
     self.sessions: dict[str, dict] = {}
     self.samplers: dict[str, Session] = {}
-    self.engines = Engines(served.cfg, served.params, cfg.engine, cfg.lora_alpha,
+    # The base weights once, for the adapter banks and the engines alike: replicated over
+    # the mesh, in the engines' form (split per layer on a GPU, so the training programs
+    # read each layer's weights in place too); the loaded copy is not kept.
+    self.base = shared_base(served.cfg, served.params, cfg.engine, mesh)
+    self.served = dataclasses.replace(served, params=None)
+    self.engines = Engines(served.cfg, self.base, cfg.engine, cfg.lora_alpha,
                            cfg.max_samplers + 1, mesh)
     self._cv = threading.Condition()
     self._control: list[tuple[str, Callable]] = []
@@ -199,7 +217,7 @@ class Service:
   def _bank(self, rank: int) -> AdapterBank:
     if rank not in self.banks:  # Worker thread only: banks change device state.
       lora = self.engines.lora_config(rank)
-      self.banks[rank] = AdapterBank(self.served.cfg, self.served.params, lora,
+      self.banks[rank] = AdapterBank(self.served.cfg, self.base, lora,
                                      self.cfg.max_adapters + 1, self.mesh)
       self.banks[rank].reserve()  # The last slot: samplers' prompt logprobs.
     return self.banks[rank]

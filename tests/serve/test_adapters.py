@@ -68,10 +68,15 @@ def _alone(cfg, base, adapter, rows, loss_fn):
   return [np.asarray(x) for x in lps], grad
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", pytest.param("ppo", marks=pytest.mark.sweep)])
-def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn):
+@pytest.mark.parametrize("loss_fn,split", [
+    ("cross_entropy", False), ("cross_entropy", True),
+    pytest.param("ppo", False, marks=pytest.mark.sweep)])
+def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn, split):
+  """split: the base in the engines' per-layer form (what a GPU server holds), the
+  training program unrolling the layers over it; the same logprobs and gradients."""
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, CAPACITY)
+  bank = AdapterBank(cfg, weights.split_layers(params, cfg.num_layers) if split else params,
+                     LORA, CAPACITY)
   a, b = bank.allocate(0), bank.allocate(1)
   adapters = {a: _adapter(cfg, 10), b: _adapter(cfg, 11)}
   for slot, adapter in adapters.items():
@@ -236,3 +241,24 @@ def test_sampling_engines_that_split_their_layers_share_one_base_and_decode_the_
       assert base_ids == {id(w) for layer in engines.base["layers"] for w in layer.values()}
     out[split] = [[c.tokens for c in cs] for cs in first + rest]
   assert out[True] == out[False]
+
+
+def test_the_banks_and_the_engines_hold_one_copy_of_the_base(base, tmp_path):
+  """The server's base weights exist once: the adapter banks train over the engines' own
+  (split per layer, as on a GPU), and the loaded copy is let go."""
+  from jaxrl_post.rollout import EngineConfig
+  from jaxrl_post.serve.config import ServeConfig
+  from jaxrl_post.serve.service import Served, Service
+
+  cfg, params = base
+  served = Served("tiny", cfg, params, str(tmp_path), (0,), lambda s: [1])
+  serve_cfg = ServeConfig(engine=EngineConfig(num_slots=4, decode_steps=2, split_layers=True))
+  service = Service(served, serve_cfg, str(tmp_path / "work"))
+  try:
+    assert weights.is_split(service.base) and service.served.params is None
+    assert service.engines.base is service.base
+    bank = service._bank(4)
+    assert all(x is y for x, y in zip(jax.tree.leaves(bank.base),
+                                      jax.tree.leaves(service.base)))
+  finally:
+    service.close()
