@@ -88,8 +88,9 @@ def gspo(lp, inputs, mask, config):
 
 
 REFUSED = {
-    "stable_reinforce": "needs the sampler's provenance spans, which this server does not "
-                        "record; use importance_sampling, ppo or cispo",
+    "stable_reinforce": "its objective and the stability information its samplers record "
+                        "(record_stability_info) are not published, so it is not served; "
+                        "use importance_sampling, ppo or cispo",
     "custom": "server-side custom losses are off: the SDK computes custom losses as forward "
               "+ cross_entropy",
 }

@@ -134,6 +134,9 @@ def sample(body: dict, vocab: int, max_length: int, default_max_tokens: int,
   for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
     if field(body, name, int, 0):
       raise UserError(f"{name}: top-k logprobs are not supported by this server")
+  if body.get("record_stability_info"):  # Only stable_reinforce reads it (losses.REFUSED).
+    raise UserError("record_stability_info: this server records no stability information "
+                    "(stable_reinforce is not served)")
   sampling = SamplingParams(temperature=float(temperature), top_k=max(top_k, 0),
                             top_p=float(top_p), max_tokens=max_tokens, stop_ids=stop)
   seed = field(params, "seed", int, None)

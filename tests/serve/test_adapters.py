@@ -205,7 +205,7 @@ def test_gspo_weighs_tokens_by_their_sequences_mean_ratio():
 
 
 @pytest.mark.parametrize("name,config,message", [
-    ("nope", {}, "not a known loss_fn"), ("stable_reinforce", {}, "provenance"),
+    ("nope", {}, "not a known loss_fn"), ("stable_reinforce", {}, "not published"),
     ("ppo", {"beta": 1.0}, "not options of 'ppo'"), ("dro", {}, "beta: 'dro' needs a number")])
 def test_a_loss_mistake_is_one_line_naming_it(name, config, message):
   with pytest.raises(UserError, match=message):
@@ -262,3 +262,13 @@ def test_the_banks_and_the_engines_hold_one_copy_of_the_base(base, tmp_path):
                                       jax.tree.leaves(service.base)))
   finally:
     service.close()
+
+
+def test_a_sampler_asked_to_record_stability_information_is_refused_naming_it():
+  from jaxrl_post.serve import requests as R
+
+  body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+          "sampling_params": {"max_tokens": 4}}
+  assert R.sample(body, 320, 64, 8, (0,), lambda s: [1]).prompt == (1, 2)
+  with pytest.raises(UserError, match="^record_stability_info: "):
+    R.sample({**body, "record_stability_info": True}, 320, 64, 8, (0,), lambda s: [1])
