@@ -219,8 +219,8 @@ def bind_rows(model, base: dict, lora: dict, slot):
     per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])
     return with_params(model, {**base, "layers": {**base["layers"], **per_row}}), None
   bound, layers = weights.bind(model.config, base)
-  return bound, tuple({**p, **jax.tree.map(lambda x, i=i: jnp.take(x[i], slot, axis=0),
-                                           lora["layers"])}
+  per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])
+  return bound, tuple({**p, **jax.tree.map(lambda x, i=i: x[i], per_row)}
                       for i, p in enumerate(layers))
 
 
