@@ -72,11 +72,21 @@ def _alone(cfg, base, adapter, rows, loss_fn):
     ("cross_entropy", False), ("cross_entropy", True),
     pytest.param("ppo", False, marks=pytest.mark.sweep)])
 def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn, split):
-  """split: the base in the engines' per-layer form (what a GPU server holds), the
-  training program unrolling the layers over it; the same logprobs and gradients."""
+  """split: the base as a server on a GPU holds it (serve.service.shared_base: replicated
+  over the mesh of every device, in the engines' per-layer form), the training program
+  unrolling the layers over it and the rows split over the devices; the same logprobs and
+  gradients."""
   cfg, params = base
-  bank = AdapterBank(cfg, weights.split_layers(params, cfg.num_layers) if split else params,
-                     LORA, CAPACITY)
+  bank = AdapterBank(cfg, params, LORA, CAPACITY)
+  if split:
+    from jaxrl_post.rollout import EngineConfig
+    from jaxrl_post.serve.service import shared_base
+    from jaxrl_post.sharding import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=jax.device_count(), fsdp=1))
+    shared = shared_base(cfg, params, EngineConfig(split_layers=True), mesh)
+    assert weights.is_split(shared)
+    bank = AdapterBank(cfg, shared, LORA, CAPACITY, mesh)
   a, b = bank.allocate(0), bank.allocate(1)
   adapters = {a: _adapter(cfg, 10), b: _adapter(cfg, 11)}
   for slot, adapter in adapters.items():
