@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.rollout import weights
+from jaxrl_post.rollout.weights import engine_form, split_layers
 from jaxrl_post.rollout.engine_config import EngineConfig
 from jaxrl_post.serve import requests as R
 from jaxrl_post.serve import store as S
@@ -102,9 +102,9 @@ def shared_base(cfg: ModelConfig, params: dict, engine: EngineConfig, mesh=None)
   the engines hold (rollout.weights.engine_form)."""
   if mesh is not None:
     params = jax.device_put(params, NamedSharding(mesh, P()))
-  if weights.engine_form(cfg, mesh, engine.split_layers) is None:
+  if engine_form(cfg, mesh, engine.split_layers) is None:
     return params
-  return weights.split_layers(params, cfg.num_layers)
+  return split_layers(params, cfg.num_layers)
 
 
 class Service:
