@@ -319,18 +319,21 @@ def group_lora(cfg: ModelConfig, p: dict) -> dict:
   forwards over the same weights (the GPU's decode loop, which makes this once per call):
   each group's low-rank product is then two matmuls instead of a merged A product that
   XLA slices back apart and m B products, and neither layout is rebuilt at every step.
-  Serve's per-row adapters ([B, in, r] A's) are left as they are."""
+  Leading axes ride along: serve lays out its rows' adapters ([L, B, in, r] A's, one
+  adapter per row) once for all layers and steps of a batch."""
   out = dict(p)
   for names in _SHARED_INPUT:
-    lora = [n for n in names if f"{n}_lora_a" in p and p[f"{n}_lora_a"].ndim == 2]
+    lora = [n for n in names if f"{n}_lora_a" in p]
     if len(lora) < 2:
       continue
-    r = p[f"{lora[0]}_lora_a"].shape[-1]
+    a = p[f"{lora[0]}_lora_a"]
+    lead, r = a.ndim - 2, a.shape[-1]  # Shared-input matrices have one input axis.
     out[_group_key(lora)] = jnp.concatenate([p[f"{n}_lora_a"] for n in lora], axis=-1)
     for i, n in enumerate(lora):
       b = p[f"{n}_lora_b"]
-      out[f"{n}_lora_b_padded"] = jnp.pad(
-          b, [(i * r, (len(lora) - 1 - i) * r)] + [(0, 0)] * (b.ndim - 1))
+      pad = [(0, 0)] * b.ndim
+      pad[lead] = (i * r, (len(lora) - 1 - i) * r)
+      out[f"{n}_lora_b_padded"] = jnp.pad(b, pad)
   return out
 
 
@@ -344,6 +347,13 @@ def _dense_shared(cfg: ModelConfig, x, p, names):
   x = x.reshape((-1,) + x.shape[2:])
   ys = {n: jnp.tensordot(x, p[n].astype(x.dtype), axes=1) for n in names}
   a = p[_group_key(lora)].astype(x.dtype)
+  if a.ndim == 3:  # One adapter per row, [B, in, m * r] (serve's batched multi-LoRA).
+    rowwise = jax.vmap(lambda u, w: jnp.tensordot(u, w, axes=1))
+    xa = rowwise(x.reshape(lead + x.shape[1:]), a)  # [B, T, m * r]
+    for n in lora:
+      delta = rowwise(xa, p[f"{n}_lora_b_padded"].astype(x.dtype))
+      ys[n] = ys[n] + (cfg.lora.scale * delta.reshape(ys[n].shape)).astype(ys[n].dtype)
+    return tuple(ys[n].reshape(lead + ys[n].shape[1:]) for n in names)
   # float32 out, as in _dense: XLA would otherwise merge x @ A with x @ W (a copy of W).
   xa = jnp.tensordot(x, a, axes=1, preferred_element_type=jnp.float32).astype(x.dtype)
   if cfg.lora.adapters > 1:  # Each token keeps its own adapter's rank components.

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_post.errors import UserError
 from jaxrl_post.kernels import ChunkedLogprobConfig
 from jaxrl_post.models.config import LoraConfig, ModelConfig
-from jaxrl_post.models.transformer import abstract_model, lora_param_shapes, with_params
+from jaxrl_post.models.transformer import (abstract_model, group_lora, lora_param_shapes,
+                                          with_params)
 from jaxrl_post.rl.forward import head_logprobs
 from jaxrl_post.rl.packing import bucket
 from jaxrl_post.rollout import weights
@@ -215,11 +216,14 @@ def bind_rows(model, base: dict, lora: dict, slot):
 
   `base` is stacked or in the engines' split form (rollout.weights: on a GPU); split, each
   layer's adapters are gathered beside its base buffers and the forward unrolls them."""
+  per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])  # [L, B, ...]
   if not weights.is_split(base):
-    per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])
     return with_params(model, {**base, "layers": {**base["layers"], **per_row}}), None
+  # Unrolled, a layer's weights may hold more than the model's own: the A's of matrices that
+  # read the same input side by side (group_lora, laid out once for all layers), so each
+  # group's low-rank product is one matmul a layer.
+  per_row = group_lora(model.config, per_row)
   bound, layers = weights.bind(model.config, base)
-  per_row = jax.tree.map(lambda x: jnp.take(x, slot, axis=1), lora["layers"])
   return bound, tuple({**p, **jax.tree.map(lambda x, i=i: x[i], per_row)}
                       for i, p in enumerate(layers))
 
