@@ -73,14 +73,16 @@ from jaxrl_post.rollout import weights
 from jaxrl_post.serve import adapters
 spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
 served = cfg.replace(lora=LoraConfig(rank=8, targets=adapters.ATTN + adapters.MLP))
-bank = jax.tree.map(spec, jax.eval_shape(lambda: adapters.stacked(adapters.adapter_shapes(served), 3)))
+shapes = adapters.adapter_shapes(served)
+bank = jax.tree.map(spec, jax.eval_shape(lambda: adapters.stacked(shapes, 3)))
 base = jax.tree.map(spec, params_of(abstract_model(cfg)))
 rows = lambda dtype, *shape: spec(jax.ShapeDtypeStruct((4, *shape), dtype))
 batch = {"slot": rows(np.int32), "tokens": rows(np.int32, 32), "targets": rows(np.int32, 32),
          "mask": rows(np.float32, 32), "inputs": {"weights": rows(np.float32, 32)}}
 for name, form in (("service_stacked", base), ("service_split", weights.abstract_split(base, 3))):
   program = adapters.batch_program(served, "cross_entropy", False)
-  out[name] = program_launches(program.trace(bank, bank, form, batch, {}).lower().compile().as_text())
+  compiled = program.trace(bank, bank, form, batch, {}).lower().compile()
+  out[name] = program_launches(compiled.as_text())
 print(json.dumps(out))
 """
 

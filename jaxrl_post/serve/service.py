@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models.config import ModelConfig
-from jaxrl_post.rollout.weights import engine_form, split_layers
 from jaxrl_post.rollout.engine_config import EngineConfig
+from jaxrl_post.rollout.weights import engine_form, split_layers
 from jaxrl_post.serve import requests as R
 from jaxrl_post.serve import store as S
 from jaxrl_post.serve import wire
