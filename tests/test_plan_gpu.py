@@ -65,7 +65,8 @@ args = memory.decode_operands(cfg, 8, 1_450_001, 16, 4, "bfloat16", "bfloat16", 
 text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
 out["big_pool"] = {**loop_launches(text), "remat": text.count(".remat")}
 # The service's batched LoRA forward/backward (serve.adapters) over the base as a server on
-# a GPU holds it (split per layer, shared with its engines) and stacked.
+# a GPU holds it (split per layer, shared with its engines). Its stacked form, the copies
+# the decode loop's comparison above shows, takes as long again to compile: not compiled.
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_post.models.transformer import abstract_model, params_of
 from jaxrl_post.plan.hlo_cost import program_launches
@@ -79,10 +80,9 @@ base = jax.tree.map(spec, params_of(abstract_model(cfg)))
 rows = lambda dtype, *shape: spec(jax.ShapeDtypeStruct((4, *shape), dtype))
 batch = {"slot": rows(np.int32), "tokens": rows(np.int32, 32), "targets": rows(np.int32, 32),
          "mask": rows(np.float32, 32), "inputs": {"weights": rows(np.float32, 32)}}
-for name, form in (("service_stacked", base), ("service_split", weights.abstract_split(base, 3))):
-  program = adapters.batch_program(served, "cross_entropy", False)
-  compiled = program.trace(bank, bank, form, batch, {}).lower().compile()
-  out[name] = program_launches(compiled.as_text())
+program = adapters.batch_program(served, "cross_entropy", False)
+compiled = program.trace(bank, bank, weights.abstract_split(base, 3), batch, {}).lower().compile()
+out["service"] = program_launches(compiled.as_text())
 print(json.dumps(out))
 """
 
@@ -113,13 +113,14 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   assert cascade["by_kind"]["attention"] == 2 * 3, cascade
   assert cascade["total"] <= launches["split"]["total"] + 3 + 4, (cascade, split)
   # The service's training program over the split base copies no layer's weights either.
-  service, stacked = launches["service_split"], launches["service_stacked"]
-  assert stacked["by_kind"].get("slice_copy", 0) >= 3 * 7, stacked
+  service = launches["service"]
   assert "slice_copy" not in service["by_kind"], service
   # Each row's adapter gathered once for all layers: its gradient goes back into the slots
   # in one scatter per LoRA matrix (A and B of 7), not one per matrix and layer.
   assert service["by_kind"].get("update", 0) <= 2 * 7, service
-  assert service["total"] < stacked["total"], (service, stacked)
+  # 251 launches for 3 layers, the A products grouped by input (serve.adapters.bind_rows):
+  # the forward, its recompute and the backward of 7 LoRA'd matrices a layer, plus the head.
+  assert service["total"] <= 270, service
 
 
 _PREFILL = """
