@@ -77,7 +77,6 @@ def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn, sp
   unrolling the layers over it and the rows split over the devices; the same logprobs and
   gradients."""
   cfg, params = base
-  bank = AdapterBank(cfg, params, LORA, CAPACITY)
   if split:
     from jaxrl_post.rollout import EngineConfig
     from jaxrl_post.serve.service import shared_base
@@ -87,6 +86,8 @@ def test_a_batch_of_two_adapters_gives_each_what_it_gets_alone(base, loss_fn, sp
     shared = shared_base(cfg, params, EngineConfig(split_layers=True), mesh)
     assert weights.is_split(shared)
     bank = AdapterBank(cfg, shared, LORA, CAPACITY, mesh)
+  else:
+    bank = AdapterBank(cfg, params, LORA, CAPACITY)
   a, b = bank.allocate(0), bank.allocate(1)
   adapters = {a: _adapter(cfg, 10), b: _adapter(cfg, 11)}
   for slot, adapter in adapters.items():
