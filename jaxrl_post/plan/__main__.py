@@ -7,7 +7,7 @@ the target on abstract arrays, with no weights and no data, and prints memory pe
 the KV pool that fits, the attention kernels each program compiled with, predicted
 seconds per role and the bytes each step moves. Targets: `local` (this host's devices,
 the default), TPU slices (v4-8 ... v6e-256, compiled by libtpu on any host: pip install
--e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x8, a100x8; compiled by XLA:GPU and
+-e '.[tpu]') and GPU nodes (h100x1, h100x8, h200x1, h200x8, a100x1, a100x8; compiled by XLA:GPU and
 Triton without a GPU with pip install -e '.[gpu-plan]', else planned from this host's
 programs). Exit status: 0 fits, 1 does not fit (after the report: use it as a pre-flight
 check), 2 bad input. With --fit it searches bindings that make the config fit (plan.fit)
