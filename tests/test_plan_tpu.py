@@ -140,6 +140,8 @@ def test_targets_name_the_published_slices():
   assert (v5p.chips, v5p.topology, v5p.platform) == (4, "v5p:2x2x1", "tpu")
   assert targets.resolve("v5e-8").topology == "v5e:2x4"
   assert targets.resolve("h100x8").chip.hbm_bytes == 80e9
+  h200 = targets.resolve("h200x1")  # The one-GPU nodes people rent.
+  assert (h200.chip.name, h200.chips, h200.platform) == ("h200", 1, "gpu")
   with pytest.raises(Exception, match="unknown target 'v7-9'"):
     targets.resolve("v7-9")
   found = targets.target_devices(targets.resolve("v6e-4"))
