@@ -26,6 +26,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath  # Orbax's path type (an Orbax dependency)
 from jax.sharding import Mesh
 
 from jaxrl_post.errors import UserError
@@ -117,6 +118,9 @@ class Checkpointer:
     items = {"state": ocp.args.StandardRestore(wanted[0]), "meta": ocp.args.JsonRestore()}
     if abstract_reference is not None:
       items["reference"] = ocp.args.StandardRestore(wanted[1])
+    for name, tree in (("state", wanted[0]), ("reference", wanted[1])):
+      if tree is not None:
+        self._check_shapes(step, name, tree)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except (ValueError, KeyError, FileNotFoundError) as e:
@@ -137,12 +141,31 @@ class Checkpointer:
     # The item's directory, not item_metadata: a fresh process has not registered the item.
     if not os.path.isdir(os.path.join(self.directory, str(step), "rollout")):
       return None
+    self._check_shapes(step, "rollout", abstract_rollout)
     args = ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract_rollout))
     try:
       return self._manager.restore(step, args=args)["rollout"]
     except (ValueError, KeyError, FileNotFoundError) as e:
       raise UserError(f"{self.directory}/{step}: rollout weights do not match this run's "
                       f"config ({str(e).splitlines()[0]})") from e
+
+  def _check_shapes(self, step: int, item: str, wanted: Any) -> None:
+    """Refuses a stored item whose arrays are not `wanted`'s (another model or optimizer),
+    naming the first that differs. Orbax would fail on it too, but from inside reads
+    already under way, whose callbacks then print tracebacks on a closed event loop."""
+    path = epath.Path(self.directory) / str(step) / item
+    where = f"{self.directory}/{step}: checkpoint does not match this run's config"
+    if not path.exists():
+      raise UserError(f"{where} (it holds no {item})")
+    stored = _shapes(ocp.StandardCheckpointHandler().metadata(path))
+    here = _shapes(wanted)
+    for name in [n for n in here if n not in stored][:1]:  # The run's own order: params first.
+      raise UserError(f"{where} ({item} {name} is not in the checkpoint)")
+    for name in [n for n in stored if n not in here][:1]:
+      raise UserError(f"{where} ({item} {name} is in the checkpoint, not in this run)")
+    for name in [n for n in here if here[n] != stored[n]][:1]:
+      raise UserError(f"{where} ({item} {name} is {stored[name]} in the checkpoint, "
+                      f"{here[name]} in this run)")
 
   def wait(self) -> None:
     """Blocks until the last save is on disk."""
@@ -153,6 +176,20 @@ class Checkpointer:
     if self._manager is not None:
       self._manager.wait_until_finished()
       self._manager.close()
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+  """Each array leaf's dotted path (as Orbax names it) -> its shape."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: x is None)
+  return {".".join(_key_name(k) for k in path): tuple(leaf.shape)
+          for path, leaf in leaves if leaf is not None and hasattr(leaf, "shape")}
 
 
 def _unreadable(abstract: Any) -> Any:

@@ -32,7 +32,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from jaxrl_post import compile_cache, plugins
-from jaxrl_post.errors import UserError
+from jaxrl_post.errors import UserError, make_directory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +80,7 @@ def _jsonable(value: Any) -> Any:
 
 def write_resolved_config(workdir: str, exp, gin_text: str) -> None:
   """config.gin (the bindings as parsed) and config.json (every resolved field)."""
-  os.makedirs(workdir, exist_ok=True)
+  make_directory(workdir, "--workdir")
   with open(os.path.join(workdir, "config.gin"), "w") as f:
     f.write(gin_text)
   with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -65,6 +65,17 @@ def test_restore_into_a_different_structure_is_a_clear_error(tmp_path):
   other = {"w": jax.ShapeDtypeStruct((5, 8), jnp.float32)}
   with pytest.raises(UserError, match="does not match"):
     ckpt.restore(0, other)
+  # The first array that differs, by its path, before Orbax starts reading any.
+  wider = abstract_like(_state(0))
+  wider["opt"][1]["mu"] = jax.ShapeDtypeStruct((4, 9), jnp.bfloat16)
+  with pytest.raises(UserError, match=r"\(state opt\.1\.mu is \(4, 8\) in the checkpoint, "
+                                      r"\(4, 9\) in this run\)"):
+    ckpt.restore(0, wider)
+  more = {**abstract_like(_state(0)), "v": jax.ShapeDtypeStruct((3,), jnp.float32)}
+  with pytest.raises(UserError, match=r"\(state v is not in the checkpoint\)"):
+    ckpt.restore(0, more)
+  with pytest.raises(UserError, match=r"\(it holds no reference\)"):
+    ckpt.restore(0, abstract_like(_state(0)), {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)})
   ckpt.close()
 
 

@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from jaxrl_post import compile_cache
-from jaxrl_post.errors import UserError
+from jaxrl_post.errors import UserError, make_directory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +51,8 @@ def build_service(args: argparse.Namespace):
   for path in args.gin_file:
     if not os.path.isfile(path):
       raise UserError(f"{path}: no such gin file")
+  workdir = os.path.abspath(args.workdir)
+  make_directory(workdir, "--workdir")
   config.parse(args.gin_file, args.gin_param)
   cfg = config.build(ServeConfig.__name__)
   dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -58,7 +60,6 @@ def build_service(args: argparse.Namespace):
   if model.config.moe is not None:
     raise UserError(f"--model {args.model}: mixture-of-experts models are not served yet "
                     "(LoRA covers attention and dense MLP matrices)")
-  workdir = os.path.abspath(args.workdir)
   tokenizer_dir = os.path.join(workdir, "tokenizer")
   os.makedirs(tokenizer_dir, exist_ok=True)
   write_tokenizer(tok, tokenizer_dir)  # What the client's get_tokenizer() loads.

@@ -55,6 +55,15 @@ def test_missing_model_is_one_line_error(capsys, tmp_path):
   assert rc == 2 and "/no/such/model.gguf" in err and err.count("\n") == 1
 
 
+def test_a_workdir_that_is_a_file_is_one_line_error(capsys, tmp_path):
+  (tmp_path / "taken").write_text("")
+  for workdir in ("taken", "taken/run"):
+    rc = train.main([f"--gin_file={QUICKSTART}", f"--workdir={tmp_path / workdir}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--workdir={tmp_path / workdir}: cannot be used as a directory" in err
+
+
 def test_bindings_reach_nested_configs_and_scopes(tmp_path):
   exp, workdir = train.prepare([
       f"--gin_file={QUICKSTART}", f"--workdir={tmp_path}",

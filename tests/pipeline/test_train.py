@@ -83,6 +83,11 @@ def test_run_writes_metrics_tensorboard_checkpoints_and_resumes(tmp_path, capsys
   records = read_metrics(str(workdir / "metrics.jsonl"))
   assert [r["step"] for r in records] == list(range(7))
   check_trackers_hold(str(workdir), records)
+  capsys.readouterr()
+  # Resumed with another model: one line naming the first array that differs.
+  assert train.main(_argv(workdir, ["ModelSpec.overrides = {'hidden_size': 96}"])) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "params.embed is (128, 128) in the checkpoint" in err, err
 
 
 def _train_args(workdir, extra=(), gin_file=QUICKSTART):

@@ -235,3 +235,13 @@ def test_the_throughput_benchmark_reports_concurrent_and_sequential_rates(server
     row = out["tokens_per_s"][a]
     assert row["concurrent"] > 0 and row["sequential"] > 0
     assert row["ratio"] == pytest.approx(row["concurrent"] / row["sequential"], rel=0.02)
+
+
+def test_a_workdir_that_is_a_file_is_one_line_error_before_the_model_loads(tmp_path, capsys):
+  from jaxrl_post.serve.__main__ import main
+
+  (tmp_path / "taken").write_text("")
+  assert main([f"--workdir={tmp_path / 'taken'}", "--model=/no/such/model"]) == 2
+  err = capsys.readouterr().err
+  assert err == f"error: --workdir={tmp_path / 'taken'}: cannot be used as a directory " \
+                f"(File exists: {tmp_path / 'taken'})\n", err
