@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import os
+import tokenize
 from typing import Any, Callable, Mapping, Optional
 
 import gin
@@ -430,6 +432,20 @@ def parse(gin_files: list[str], bindings: list[str]) -> None:
     raise UserError(f"gin: {_first_lines(e)}{hint}") from e
   except OSError as e:
     raise UserError(f"gin: cannot read config file: {e}") from e
+  except tokenize.TokenError as e:  # An unclosed bracket or string: gin names no place.
+    raise UserError(f"gin: {_untokenizable(gin_files, bindings)}: {e.args[0]}") from e
+
+
+def _untokenizable(gin_files: list[str], bindings: list[str]) -> str:
+  """Which file or binding Python's tokenizer stops on (gin reads each with it)."""
+  texts = [(path, open(path).read()) for path in gin_files]
+  texts += [(f"--gin_param='{b}'", b) for b in bindings]
+  for where, text in texts:
+    try:
+      list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except tokenize.TokenError as e:
+      return f"{where}, line {e.args[1][0]}" if where in gin_files else where
+  return "a file it includes"
 
 
 def places(root: Any = None, path: str = "Experiment") -> dict[str, list[str]]:

@@ -32,6 +32,7 @@ def _run_main(capsys, tmp_path, *params, gin_file=QUICKSTART):
     ("ArithmeticTask.operators = ('+', '^')", "^"),
     ("TrainerConfig.minibatches = 3", "do not split"),
     ("RolloutSpec.group_size = ", "gin"),
+    ("RolloutSpec.group_size = (", "--gin_param='RolloutSpec.group_size = (': unexpected EOF"),
 ])
 def test_bad_binding_is_one_line_error_before_any_work(capsys, tmp_path, binding, expected):
   rc, err = _run_main(capsys, tmp_path, binding)
@@ -47,6 +48,15 @@ def test_missing_gin_file_and_missing_dataset(capsys, tmp_path):
   rc, err = _run_main(capsys, tmp_path, "Experiment.task = @JsonlTask()",
                       f"JsonlTask.path = '{tmp_path}/missing.jsonl'")
   assert rc == 2 and "missing.jsonl" in err and err.count("\n") == 1
+
+
+def test_an_unclosed_bracket_or_string_in_a_gin_file_names_the_file_and_line(capsys, tmp_path):
+  for text, message in (("SftConfig.steps = 0\nRolloutSpec.group_size = (\n", "unexpected EOF"),
+                        ("SftConfig.steps = 0\nLossConfig.name = 'grpo\n", "unterminated string")):
+    (tmp_path / "bad.gin").write_text(text)
+    rc, err = _run_main(capsys, tmp_path, gin_file=str(tmp_path / "bad.gin"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"error: gin: {tmp_path / 'bad.gin'}, line 2: {message}" in err, err
 
 
 def test_missing_model_is_one_line_error(capsys, tmp_path):
