@@ -20,8 +20,11 @@ latest step, the meta record -- from them; they hold no part of the arrays.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 import os
-from typing import Any, Optional
+import sys
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -121,11 +124,7 @@ class Checkpointer:
     for name, tree in (("state", wanted[0]), ("reference", wanted[1])):
       if tree is not None:
         self._check_shapes(step, name, tree)
-    try:
-      out = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, FileNotFoundError) as e:
-      raise UserError(f"{self.directory}/{step}: checkpoint does not match this run's "
-                      f"config ({str(e).splitlines()[0]})") from e
+    out = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
     state, meta = out["state"], self._shared(lambda: out["meta"])
     reference = out["reference"] if abstract_reference is not None else None
     if self._host_copies:
@@ -143,11 +142,19 @@ class Checkpointer:
       return None
     self._check_shapes(step, "rollout", abstract_rollout)
     args = ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract_rollout))
-    try:
-      return self._manager.restore(step, args=args)["rollout"]
-    except (ValueError, KeyError, FileNotFoundError) as e:
-      raise UserError(f"{self.directory}/{step}: rollout weights do not match this run's "
-                      f"config ({str(e).splitlines()[0]})") from e
+    return self._read(step, lambda: self._manager.restore(step, args=args)["rollout"])
+
+  def _read(self, step: int, read):
+    """read() of a stored step whose arrays are this run's shapes: what fails now is the
+    files (cut short, corrupted), reported as one line that says how to go on."""
+
+    def fail(what: str) -> str:
+      earlier = [s for s in self._manager.all_steps() if s < step]
+      hint = (f"move it away to resume from step {max(earlier)}" if earlier
+              else "no earlier checkpoint to resume from")
+      return f"{self.directory}/{step}: checkpoint cannot be read ({what}); {hint}"
+
+    return read_stored(read, fail)
 
   def _check_shapes(self, step: int, item: str, wanted: Any) -> None:
     """Refuses a stored item whose arrays are not `wanted`'s (another model or optimizer),
@@ -157,7 +164,7 @@ class Checkpointer:
     where = f"{self.directory}/{step}: checkpoint does not match this run's config"
     if not path.exists():
       raise UserError(f"{where} (it holds no {item})")
-    stored = _shapes(ocp.StandardCheckpointHandler().metadata(path))
+    stored = _shapes(self._read(step, lambda: ocp.StandardCheckpointHandler().metadata(path)))
     here = _shapes(wanted)
     for name in [n for n in here if n not in stored][:1]:  # The run's own order: params first.
       raise UserError(f"{where} ({item} {name} is not in the checkpoint)")
@@ -176,6 +183,54 @@ class Checkpointer:
     if self._manager is not None:
       self._manager.wait_until_finished()
       self._manager.close()
+
+
+def read_stored(read: Callable[[], Any], fail: Callable[[str], str]) -> Any:
+  """read() of what Orbax stored. A failure is one UserError, fail(what went wrong as
+  the innermost error says it), and the reads still in flight behind it print nothing."""
+  loud = _quiet_late_reads()  # Before reading: the first failure can close the loop at once.
+  try:
+    value = read()
+  except UserError:
+    raise
+  except Exception as e:  # Orbax and TensorStore raise plain Exceptions too.
+    cause = e
+    while cause.__cause__ is not None:  # The innermost names the file and what is wrong.
+      cause = cause.__cause__
+    # TensorStore ends its message with the store's whole spec: not for the user.
+    what = (str(cause) or type(cause).__name__).splitlines()[0].split(" [tensorstore_spec=")[0]
+    raise UserError(fail(what)) from e
+  loud()  # Read whole: nothing is left in flight.
+  return value
+
+
+def _quiet_late_reads() -> Callable[[], None]:
+  """After one read of a restore fails, Orbax's other reads still in flight end later:
+  into the event loop it has closed (a traceback each, through sys.excepthook or as
+  unraisable), as coroutines collected with the same failure, or as tasks asyncio logs as
+  never retrieved. The one line that says what failed is what the user needs: those go
+  unprinted until the returned function puts the hooks back (after a read that succeeded)."""
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+  asyncio_log = logging.getLogger("asyncio")
+  level = asyncio_log.level
+  closed = lambda value: isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+
+  def quiet(kind, value, tb):
+    if not closed(value):
+      excepthook(kind, value, tb)
+
+  def quiet_unraisable(unraisable):
+    if not (closed(unraisable.exc_value) or inspect.iscoroutine(unraisable.object)):
+      unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = quiet, quiet_unraisable
+  asyncio_log.setLevel(logging.CRITICAL)
+
+  def restore() -> None:
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+    asyncio_log.setLevel(level)
+
+  return restore
 
 
 def _key_name(key) -> str:

@@ -1,5 +1,6 @@
 """Checkpoints: round trip, keep-N, and a save cut off mid-write is never loaded."""
 
+import gc
 import os
 import shutil
 import time
@@ -76,6 +77,28 @@ def test_restore_into_a_different_structure_is_a_clear_error(tmp_path):
     ckpt.restore(0, more)
   with pytest.raises(UserError, match=r"\(it holds no reference\)"):
     ckpt.restore(0, abstract_like(_state(0)), {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)})
+  ckpt.close()
+
+
+def test_a_corrupted_step_is_one_line_naming_the_file_and_the_step_to_resume_from(tmp_path,
+                                                                                  capfd):
+  ckpt = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+  for step in (0, 1):
+    ckpt.save(step, _state(step), {"step": step})
+  for root, _, files in os.walk(tmp_path / "1" / "state"):
+    for name in files:  # The arrays' chunks cut short, the step's index intact.
+      if os.sep + "d" in root:
+        os.truncate(os.path.join(root, name), 10)
+  capfd.readouterr()
+  with pytest.raises(UserError, match=r"/1: checkpoint cannot be read \(OUT_OF_RANGE: "
+                                      r".* is not valid for value of size 10\); move it away "
+                                      r"to resume from step 0$"):
+    ckpt.restore(1, abstract_like(_state(0)))
+  gc.collect()  # Orbax's other reads, failing after the first, are not printed.
+  time.sleep(0.5)
+  assert "Traceback" not in capfd.readouterr().err
+  state, _, _ = ckpt.restore(0, abstract_like(_state(0)))
+  assert _equal(state, _state(0))
   ckpt.close()
 
 

@@ -10,6 +10,7 @@ When a Python with transformers and torch exists at TRANSFORMERS_PYTHON (default
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,27 @@ def test_export_refuses_a_step_that_was_not_saved(run_dir, tmp_path, capsys):
   assert export.main([run_dir, "--step", "999", "--out", str(tmp_path / "x")]) == 2
   err = capsys.readouterr().err
   assert err == f"error: {run_dir}: no checkpoint at step 999 (steps saved: 0, 1)\n"
+
+
+def test_export_of_a_corrupted_step_is_one_line_naming_what_is_wrong(run_dir, tmp_path, capsys):
+  copy = tmp_path / "run"
+  shutil.copytree(run_dir, copy)
+  for root, _, files in os.walk(copy / "checkpoints" / "1" / "state"):
+    for name in files:  # The arrays' chunks cut short, the step's index intact.
+      if os.sep + "d" in root:
+        os.truncate(os.path.join(root, name), 10)
+  assert export.main([str(copy), "--out", str(tmp_path / "x")]) == 2
+  err = capsys.readouterr().err
+  assert err == f"error: {copy}/checkpoints/1/state: cannot read the checkpoint (the index " \
+                "of its arrays is unreadable: cut short or corrupted)\n", err
+  shutil.rmtree(copy / "checkpoints" / "1" / "state" / "d")  # Only the arrays' chunks now.
+  shutil.copytree(os.path.join(run_dir, "checkpoints", "1", "state", "d"),
+                  copy / "checkpoints" / "1" / "state" / "d")
+  assert export.main([str(copy), "--out", str(tmp_path / "x")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(
+      f"error: {copy}/checkpoints/1/state: cannot read the checkpoint (OUT_OF_RANGE: "), err
+  assert "is not valid for value of size 10)" in err and "Traceback" not in err, err
 
 
 # ------------------------------------------------------------------ parity

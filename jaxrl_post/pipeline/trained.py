@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_post.checkpoint import read_stored
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import PRESETS, EMBEDDED, ModelConfig, Tokenizer, Transformer, preset
 from jaxrl_post.models.hf_export import merge_lora
@@ -130,14 +131,18 @@ def restore_params(workdir: str, step: int) -> dict:
   logging.set_verbosity(logging.ERROR)
   path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
   checkpointer = ocp.PyTreeCheckpointer()
-  try:
+
+  def read():
     tree = checkpointer.metadata(path).item_metadata
+    if tree is None:  # Orbax logs why and returns nothing: its index of the arrays.
+      raise UserError(f"{path}: cannot read the checkpoint (the index of its arrays is "
+                      "unreadable: cut short or corrupted)")
     wanted = {k: tree[k] for k in ("params", "frozen") if k in tree and tree[k]}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
-    out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=wanted, restore_args=restore_args, partial_restore=True))
-  except (ValueError, KeyError, FileNotFoundError, OSError) as e:
-    raise UserError(f"{path}: cannot read the checkpoint ({str(e).splitlines()[0]})") from e
+
+  out = read_stored(read, lambda what: f"{path}: cannot read the checkpoint ({what})")
   return merge_params(out.get("params", {}), out.get("frozen", {}))
 
 
