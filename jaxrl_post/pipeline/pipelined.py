@@ -418,8 +418,13 @@ class AsyncRLRun(RLRun):
     if not os.path.exists(path):
       raise UserError(f"{path}: checkpoint {step} has no saved rollout queue; an "
                       "asynchronous run resumes only from its own checkpoints")
-    with open(path, "rb") as f:
-      saved = pickle.load(f)
+    try:
+      with open(path, "rb") as f:
+        saved = pickle.load(f)
+    except Exception as e:  # Cut short or overwritten: unpickling fails in many ways.
+      raise UserError(f"{path}: the rollout queue of checkpoint {step} cannot be read "
+                      f"({type(e).__name__}: {e}); move checkpoint {step} and this file "
+                      "away to resume from an earlier one") from e
     if saved["lag"] != self.lag:
       raise UserError(f"{path}: saved with lag {saved['lag']}, this run's is {self.lag} "
                       "(AsyncSpec changed)")

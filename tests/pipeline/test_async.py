@@ -127,7 +127,7 @@ def _stamped_old(drawn):
 
 
 def test_a_batch_over_the_bound_is_dropped_counted_and_drawn_again_with_fresh_weights(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, capsys):
   """Step 4's batch reaches the trainer stamped with version 0: 6 optimizer steps stale
   against a bound of 2. It is dropped, its groups counted, and the trainer draws step 4
   again with the newest weights (version 3) on the same prompts. A resumed run keeps the
@@ -160,6 +160,15 @@ def test_a_batch_over_the_bound_is_dropped_counted_and_drawn_again_with_fresh_we
     assert r["async/staleness"] == (r["step"] - 1 - fresh) * 2 <= 2
     assert len(r["async/staleness_hist"]) == 3
     assert sum(r["async/staleness_hist"]) == r["rollout/tokens"]
+  # A queue cut short: one line naming it and what to move away.
+  queue = tmp_path / "run" / "checkpoints" / "queue_6.pkl"
+  os.truncate(queue, 20)
+  capsys.readouterr()
+  assert train.main(_train_args(tmp_path / "run", ONE_STEP_OFF)) == 2
+  assert capsys.readouterr().err == (
+      f"error: {queue}: the rollout queue of checkpoint 6 cannot be read (UnpicklingError: "
+      "pickle data was truncated); move checkpoint 6 and this file away to resume from an "
+      "earlier one\n")
   # Resumed from checkpoint 4 (after the drop), the run writes the same steps 5 and 6.
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
   os.remove(tmp_path / "run" / "checkpoints" / "queue_6.pkl")
