@@ -224,3 +224,19 @@ class ModelConfig:
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+  def overridden(self, source: str, **overrides) -> "ModelConfig":
+    """This config (read from `source`'s weights) with a user's overrides: dtypes, remat,
+    LoRA, a value head and the like. The fields its weights' shapes fix may be repeated,
+    not changed."""
+    for name in WEIGHT_SHAPE_FIELDS:
+      if name in overrides and overrides[name] != getattr(self, name):
+        raise UserError(f"{source}: override {name}={overrides[name]!r} differs from the "
+                        f"model's {getattr(self, name)!r}, which its weights fix")
+    return self.replace(**overrides)
+
+
+# What a loaded model's weights fix (their shapes and which of them exist).
+WEIGHT_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                       "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
+                       "qkv_bias", "o_bias", "qk_norm")

@@ -140,7 +140,8 @@ def config_from_gguf(f: GGUFFile, **overrides) -> ModelConfig:
       qkv_bias="blk.0.attn_q.bias" in f.tensors, o_bias="blk.0.attn_output.bias" in f.tensors,
       qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
       sliding_window=int(window) if window else None,
-      max_position_embeddings=int(f.meta.get(f"{a}.context_length", 4096)), **overrides)
+      max_position_embeddings=int(f.meta.get(f"{a}.context_length", 4096)),
+  ).overridden(f.path, **overrides)
 
 
 def _rope(f: GGUFFile) -> RopeScaling:

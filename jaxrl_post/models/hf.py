@@ -218,7 +218,7 @@ def config_from_hf(c: dict[str, Any], path: str, **overrides) -> ModelConfig:
       cfg = ModelConfig(**fields)
     except UserError as e:  # A value ModelConfig refuses: say which file it came from.
       raise UserError(f"{path}: {e}") from None
-    return cfg.replace(**overrides)
+    return cfg.overridden(path, **overrides)
   except KeyError as e:
     raise UserError(f"{path}: missing field {e.args[0]!r}") from None
   except (TypeError, ValueError) as e:

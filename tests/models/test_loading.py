@@ -114,6 +114,15 @@ def test_param_dtype_override_is_respected():
   assert model.embed[...].dtype == np.dtype("bfloat16")
 
 
+def test_an_override_of_what_the_weights_fix_names_the_field_and_both_values():
+  one_line_error(lambda: models.load(LLAMA_DIR, num_layers=5), "tiny_llama/config.json: "
+                 "override num_layers=5 differs from the model's 3, which its weights fix")
+  one_line_error(lambda: models.load("smollm2-135m-instruct", vocab_size=128),
+                 ".gguf: override vocab_size=128 differs from the model's 49152")
+  model, _ = models.load(LLAMA_DIR, num_layers=3, param_dtype="bfloat16")  # A repeat is fine.
+  assert model.config.num_layers == 3 and model.config.param_dtype == "bfloat16"
+
+
 def test_unknown_model_name():
   one_line_error(lambda: models.load("no-such-model"), "no-such-model", "smollm2-135m-instruct")
 
