@@ -27,31 +27,36 @@ class MeshConfig:
   expert: int = 1  # Reserved for mixture-of-experts layers.
   tensor: int = 1
 
-  def shape(self, num_devices: int) -> tuple[int, ...]:
+  def shape(self, num_devices: int, name: str = "mesh config") -> tuple[int, ...]:
+    """The axis sizes over `num_devices`; `name` says which mesh in an error."""
     sizes = [getattr(self, a) for a in AXES]
     bad = [f"{a}={s}" for a, s in zip(AXES, sizes) if s == 0 or s < -1]
     if bad or sizes.count(-1) > 1:
-      raise UserError(f"mesh config: invalid axis sizes {bad or sizes} (positive, or one -1)")
+      raise UserError(f"{name}: invalid axis sizes {bad or sizes} (positive, or one -1)")
     known = math.prod(s for s in sizes if s != -1)
+    given = " x ".join(f"{a}={s}" for a, s in zip(AXES, sizes))
     if -1 in sizes:
       if num_devices % known:
-        raise UserError(f"mesh config: {dict(zip(AXES, sizes))} does not divide "
-                        f"{num_devices} devices")
+        raise UserError(f"{name}: {given}: the other axes ({known} devices) do not divide "
+                        f"the {num_devices} devices the -1 axis shares out")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise UserError(f"mesh config: {dict(zip(AXES, sizes))} needs {math.prod(sizes)} "
-                      f"devices, {num_devices} are available")
+      raise UserError(f"{name}: {given} is {math.prod(sizes)} devices and the run has "
+                      f"{num_devices}; make the sizes multiply to {num_devices} or set one "
+                      "to -1")
     return tuple(sizes)
 
 
-def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None,
+              name: str = "mesh config") -> Mesh:
   """A mesh over `devices` (default: every device of every process), in the given order.
 
   Every mesh of one program is built from the same ordered device list, so a reshard
   between two meshes over the same devices is a collective, never a host copy.
   """
   devices = list(jax.devices() if devices is None else devices)
-  return Mesh(np.asarray(devices, dtype=object).reshape(cfg.shape(len(devices))), AXES)
+  return Mesh(np.asarray(devices, dtype=object).reshape(cfg.shape(len(devices), name)),
+              AXES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,10 +70,11 @@ def build_meshes(cfg: PlacementConfig,
                       f"{len(devices)} devices exist")
     devices = devices[:cfg.num_devices]
   if cfg.mode == "colocated":
-    return Meshes(make_mesh(cfg.trainer_mesh, devices), make_mesh(cfg.rollout_mesh, devices))
+    return Meshes(make_mesh(cfg.trainer_mesh, devices, "trainer_mesh"),
+                  make_mesh(cfg.rollout_mesh, devices, "rollout_mesh"))
   n = cfg.trainer_devices or len(devices) // 2
   if not 0 < n < len(devices):
     raise UserError(f"placement config: trainer_devices={cfg.trainer_devices} leaves no "
                     f"devices for one role ({len(devices)} devices)")
-  return Meshes(make_mesh(cfg.trainer_mesh, devices[:n]),
-                make_mesh(cfg.rollout_mesh, devices[n:]))
+  return Meshes(make_mesh(cfg.trainer_mesh, devices[:n], "trainer_mesh (split placement)"),
+                make_mesh(cfg.rollout_mesh, devices[n:], "rollout_mesh (split placement)"))

@@ -26,6 +26,18 @@ def test_bad_mesh_configs_are_one_line_errors(cfg):
     make_mesh(cfg)
 
 
+def test_a_role_mesh_that_does_not_cover_the_devices_names_the_role_and_the_fix():
+  from jaxrl_post.sharding.placement import PlacementConfig, build_meshes
+  cfg = PlacementConfig(trainer_mesh=MeshConfig(fsdp=3))
+  with pytest.raises(UserError, match=r"^trainer_mesh: data=1 x fsdp=3 x expert=1 x "
+                     r"tensor=1 is 3 devices and the run has 8; make the sizes multiply to "
+                     r"8 or set one to -1$"):
+    build_meshes(cfg)
+  cfg = PlacementConfig(rollout_mesh=MeshConfig(data=-1, fsdp=3))
+  with pytest.raises(UserError, match=r"^rollout_mesh: .*fsdp=3.* do not divide the 8 "):
+    build_meshes(cfg)
+
+
 def test_training_shards_outputs_over_tensor_and_fsdp():
   mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
   spec = lambda names, shape: logical_to_spec(names, shape, TRAINING_RULES, mesh)
