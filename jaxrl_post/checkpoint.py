@@ -164,15 +164,10 @@ class Checkpointer:
     where = f"{self.directory}/{step}: checkpoint does not match this run's config"
     if not path.exists():
       raise UserError(f"{where} (it holds no {item})")
-    stored = _shapes(self._read(step, lambda: ocp.StandardCheckpointHandler().metadata(path)))
-    here = _shapes(wanted)
-    for name in [n for n in here if n not in stored][:1]:  # The run's own order: params first.
-      raise UserError(f"{where} ({item} {name} is not in the checkpoint)")
-    for name in [n for n in stored if n not in here][:1]:
-      raise UserError(f"{where} ({item} {name} is in the checkpoint, not in this run)")
-    for name in [n for n in here if here[n] != stored[n]][:1]:
-      raise UserError(f"{where} ({item} {name} is {stored[name]} in the checkpoint, "
-                      f"{here[name]} in this run)")
+    stored = self._read(step, lambda: ocp.StandardCheckpointHandler().metadata(path))
+    differs = shape_difference(stored, wanted, item, "this run")
+    if differs:
+      raise UserError(f"{where} ({differs})")
 
   def wait(self) -> None:
     """Blocks until the last save is on disk."""
@@ -238,6 +233,20 @@ def _key_name(key) -> str:
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
+
+
+def shape_difference(stored: Any, wanted: Any, item: str, wanted_by: str) -> Optional[str]:
+  """How the first array of `wanted` (in its order: params first) that a stored tree lacks,
+  holds extra or holds in another shape differs, as "params.embed is (128, 64) in the
+  checkpoint, (512, 96) in <wanted_by>"; None when the shapes agree."""
+  stored, here = _shapes(stored), _shapes(wanted)
+  for name in [n for n in here if n not in stored][:1]:
+    return f"{item} {name} is not in the checkpoint"
+  for name in [n for n in stored if n not in here][:1]:
+    return f"{item} {name} is in the checkpoint, not in {wanted_by}"
+  for name in [n for n in here if here[n] != stored[n]][:1]:
+    return f"{item} {name} is {stored[name]} in the checkpoint, {here[name]} in {wanted_by}"
+  return None
 
 
 def _shapes(tree: Any) -> dict[str, tuple]:

@@ -10,6 +10,7 @@ When a Python with transformers and torch exists at TRANSFORMERS_PYTHON (default
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,25 @@ def test_export_of_a_corrupted_step_is_one_line_naming_what_is_wrong(run_dir, tm
   assert err.count("\n") == 1 and err.startswith(
       f"error: {copy}/checkpoints/1/state: cannot read the checkpoint (OUT_OF_RANGE: "), err
   assert "is not valid for value of size 10)" in err and "Traceback" not in err, err
+
+
+def test_a_config_gin_edited_to_another_model_shape_is_one_line_naming_the_array(
+    run_dir, tmp_path, capsys):
+  model = tmp_path / "model"
+  shutil.copytree(FIXTURE, model)
+  cfg = json.loads((model / "config.json").read_text())
+  (model / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+  copy = tmp_path / "run"
+  shutil.copytree(run_dir, copy)
+  gin_text = (copy / "config.gin").read_text()
+  assert FIXTURE in gin_text
+  (copy / "config.gin").write_text(gin_text.replace(FIXTURE, str(model)))
+  assert export.main([str(copy), "--out", str(tmp_path / "x")]) == 2
+  err = capsys.readouterr().err
+  assert re.fullmatch(
+      rf"error: {copy}/checkpoints/1: checkpoint does not match the run's config.gin "
+      r"\(params layers\.\w+ is \(3, (64, 112|112, 64)\) in the checkpoint, "
+      r"\(3, (64, 96|96, 64)\) in its config.gin\)\n", err), err
 
 
 # ------------------------------------------------------------------ parity

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_post.checkpoint import read_stored
+from jaxrl_post.checkpoint import read_stored, shape_difference
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import PRESETS, EMBEDDED, ModelConfig, Tokenizer, Transformer, preset
 from jaxrl_post.models.hf_export import merge_lora
@@ -147,20 +147,10 @@ def restore_params(workdir: str, step: int) -> dict:
 
 
 def _check_shapes(cfg: ModelConfig, params: dict, where: str) -> None:
-  want = jax.tree.map(lambda x: tuple(x.shape), params_of(abstract_model(cfg)))
-  got = jax.tree.map(lambda x: tuple(x.shape), params)
-  if want != got:
-    flat_w = dict(jax.tree_util.tree_flatten_with_path(want, is_leaf=_is_shape)[0])
-    flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=_is_shape)[0])
-    bad = sorted(set(flat_w) ^ set(flat_g)) or \
-        [k for k in flat_w if flat_w[k] != flat_g[k]]
-    name = jax.tree_util.keystr(bad[0])
-    raise UserError(f"{where}: checkpoint parameters do not match the run's config.gin "
-                    f"(first difference: {name})")
-
-
-def _is_shape(x) -> bool:
-  return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+  differs = shape_difference(params, params_of(abstract_model(cfg)), "params",
+                             "its config.gin")
+  if differs:
+    raise UserError(f"{where}: checkpoint does not match the run's config.gin ({differs})")
 
 
 def load_trained(workdir: str, step: Optional[int] = None) -> TrainedPolicy:
