@@ -129,6 +129,9 @@ def _operands(call: str) -> tuple[str, str, str]:
   return call[:open_], call[open_ + 1:], ""
 
 
+# Kept for the last texts: plan reads each program's text three ways (cost, launches, bytes
+# by source), and at 8B a parse takes a quarter of a second. Callers only read the result.
+@functools.lru_cache(maxsize=2)
 def parse(text: str) -> tuple[dict[str, list[Instr]], Optional[str]]:
   """Computations by name, and the entry computation's name."""
   computations: dict[str, list[Instr]] = {}
