@@ -10,7 +10,8 @@ its tunables in a frozen config dataclass passed as a static argument.
   folds in a block prefix's parts).
 * paged_prefill: packed prompt chunks against their own pages (the engine's prefill).
 * cascade_attention: shared-prompt decode for groups of samples, merged by log-sum-exp.
-* packed_attention: causal attention over packed segments, with gradients.
+* packed_attention: causal attention over packed segments, with gradients (and RoPE
+  applied inside the GPU kernels).
 * chunked_logprob: token log-probabilities and entropies without [T, V] logits.
 
 The package names bind the functions, which shadow their modules' names; import module
@@ -34,6 +35,8 @@ from jaxrl_post.kernels.packed_attention import (
     PackedAttentionConfig,
     packed_attention,
     packed_attention_reference,
+    rotate_half,
+    rotates_in_kernel,
 )
 from jaxrl_post.kernels.paged_attention import (
     PagedAttentionConfig,
@@ -71,4 +74,6 @@ __all__ = [
     "paged_attention_with_lse_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "rotate_half",
+    "rotates_in_kernel",
 ]

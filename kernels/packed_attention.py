@@ -110,25 +110,86 @@ def _query_blocks_end(k_start, block_kv, block_q, num_q, window):
   return jnp.minimum((k_start + block_kv - 1 + window - 1) // block_q + 1, num_q)
 
 
+def rotate_half(x, cos, sin):  # [B, T, H, D], [B, T, D/2] x2 -> [B, T, H, D]
+  """RoPE in the rotate-half layout, in x's dtype (the tables cast to it), per half:
+  (x1 cos - x2 sin, x2 cos + x1 sin). The rotation packed_attention's `rope` stands for."""
+  cos = cos[:, :, None, :].astype(x.dtype)
+  sin = sin[:, :, None, :].astype(x.dtype)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rotates_in_kernel(head_dim: int) -> bool:
+  """Whether the Triton kernels apply RoPE themselves at this head_dim: its halves must be
+  blocks of their own (a power of two) that tl.dot takes (16 or more)."""
+  return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def _parts(load, width, rope):
+  """A q or k block as the parts its scores sum over: (x,) whole, or given RoPE tables
+  (cos, sin) [n, D/2] of its rows, its rotation's two halves -- the rotated block never
+  exists in HBM. load(cols) reads columns `cols` of the block."""
+  if rope is None:
+    return (load(pl.ds(0, width)),)
+  cos, sin = rope
+  half = width // 2
+  x1, x2 = load(pl.ds(0, half)), load(pl.ds(half, half))
+  return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def _scores(qs, ks):  # parts of q [bq, *], of k [bk, *] -> [bq, bk] f32
+  s = _dot(qs[0], ks[0], ((1,), (1,)))
+  for q, k in zip(qs[1:], ks[1:]):
+    s = s + _dot(q, k, ((1,), (1,)))
+  return s
+
+
+def _unrotated(grads, rope):
+  """Gradients of the rotated halves (f32) carried back through the rotation to x's."""
+  if rope is None:
+    return grads
+  cos, sin = (t.astype(jnp.float32) for t in rope)
+  g1, g2 = grads
+  return g1 * cos + g2 * sin, g2 * cos - g1 * sin
+
+
+def _store(ref, parts):  # parts side by side along the last axis of a 2-D block
+  width = ref.shape[-1] // len(parts)
+  for i, part in enumerate(parts):
+    ref[:, pl.ds(i * width, width)] = part.astype(ref.dtype)
+
+
+def _tables(refs, rows=None):
+  """The (cos, sin) rows of a kernel's RoPE table refs; None without RoPE."""
+  if not refs:
+    return None
+  return tuple(r[...] if rows is None else r[rows, :] for r in refs)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_scale,
-                block_kv, window):
-  """One (row, q head, query block): q_ref [bq, D]; k_ref/v_ref [T, D]; segk_ref [T]."""
+def _fwd_kernel(*refs, sm_scale, block_kv, window, rope):
+  """One (row, q head, query block): q_ref [bq, D]; k_ref/v_ref [T, D]; segk_ref [T]; with
+  RoPE, tables of the query block's rows [bq, D/2] and of the row's [T, D/2]."""
+  q_ref, k_ref, v_ref, segq_ref, segk_ref = refs[:5]
+  table_q, table_k = (refs[5:7], refs[7:9]) if rope else ((), ())
+  o_ref, lse_ref = refs[-2:]
   block_q, d = q_ref.shape
   q_start = pl.program_id(2) * block_q
-  q = q_ref[...]
+  qs = _parts(lambda cols: q_ref[:, cols], d, _tables(table_q))
   seg_q = segq_ref[...]
   q_range = _segment_range(seg_q)
 
   def attend(k_start, carry):
     m, l, acc = carry
-    seg_k = segk_ref[pl.ds(k_start, block_kv)]
-    k = k_ref[pl.ds(k_start, block_kv), :]
-    v = v_ref[pl.ds(k_start, block_kv), :]
+    rows = pl.ds(k_start, block_kv)
+    seg_k = segk_ref[rows]
+    ks = _parts(lambda cols: k_ref[rows, cols], d, _tables(table_k, rows))
+    v = v_ref[rows, :]
     mask = _mask(seg_q, seg_k, q_start, k_start, window)
-    s = jnp.where(mask, _dot(q, k, ((1,), (1,))) * sm_scale, MASK_VALUE)  # [bq, bk]
+    s = jnp.where(mask, _scores(qs, ks) * sm_scale, MASK_VALUE)  # [bq, bk]
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -152,19 +213,33 @@ def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, sm_s
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
 
 
-def _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret):
-  """q [B, T, Hq, D], k/v [B, T, Hkv, D], seg [B, T] -> o like q, lse [B, Hq, T] f32."""
+def _table_specs(rope, own, whole):
+  """BlockSpecs of the (cos, sin) tables [B, T, D/2]: the program's own rows (`own`, a
+  (rows, index_map) pair) and the whole row's (`whole`); none without RoPE."""
+  if rope is None:
+    return [], []
+  half = rope[0].shape[-1]
+  spec = lambda rows, index: pl.BlockSpec((None, rows, half), index)
+  return [spec(*own)] * 2, [spec(*whole)] * 2
+
+
+def _fwd_call(q, k, v, seg, rope, sm_scale, window, cfg, interpret):
+  """q [B, T, Hq, D], k/v [B, T, Hkv, D], seg [B, T], rope None or (cos, sin) [B, T, D/2]
+  -> o like q, lse [B, Hq, T] f32."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   bq, bk = cfg.block_q, cfg.block_kv
   kv_spec = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // (hq // hkv), 0))
   q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
+  own, whole = _table_specs(rope, (bq, lambda i, h, j: (i, j, 0)),
+                            (t, lambda i, h, j: (i, 0, 0)))
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, sm_scale=sm_scale, block_kv=bk, window=window),
+      functools.partial(_fwd_kernel, sm_scale=sm_scale, block_kv=bk, window=window,
+                        rope=rope is not None),
       grid=(b, hq, t // bq),
       in_specs=[q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
-                pl.BlockSpec((None, t), lambda i, h, j: (i, 0))],
+                pl.BlockSpec((None, t), lambda i, h, j: (i, 0)), *own, *whole],
       out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, t), jnp.float32)],
@@ -172,41 +247,46 @@ def _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret):
                                               num_stages=cfg.num_stages),
       interpret=interpret,
       name="packed_attention_fwd",
-  )(q, k, v, seg, seg)
+  )(q, k, v, seg, seg, *(rope or ()), *(rope or ()))
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale, window):  # -> p [bq, bk] f32
-  s = _dot(q, k, ((1,), (1,))) * sm_scale
+def _probs(qs, ks, seg_q, seg_k, q_start, k_start, lse, sm_scale, window):  # -> [bq, bk] f32
+  s = _scores(qs, ks) * sm_scale
   mask = _mask(seg_q, seg_k, q_start, k_start, window)
   return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
-                dk_ref, dv_ref, *, sm_scale, block_q, group, window):
+def _dkv_kernel(*refs, sm_scale, block_q, group, window, rope):
   """One (row, KV head, key block): loops over the group's q heads and later q blocks.
 
-  q_ref/do_ref [T, G, D]; lse_ref/delta_ref [G, T]; k_ref/v_ref [bk, D]; segq_ref [T].
+  q_ref/do_ref [T, G, D]; lse_ref/delta_ref [G, T]; k_ref/v_ref [bk, D]; segq_ref [T];
+  with RoPE, tables of the row [T, D/2] and of the key block's rows [bk, D/2].
   """
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref = refs[:8]
+  table_q, table_k = (refs[8:10], refs[10:12]) if rope else ((), ())
+  dk_ref, dv_ref = refs[-2:]
   block_kv, d = k_ref.shape
   t = segq_ref.shape[0]
   k_start = pl.program_id(2) * block_kv
-  k, v = k_ref[...], v_ref[...]
+  rope_k = _tables(table_k)
+  ks, v = _parts(lambda cols: k_ref[:, cols], d, rope_k), v_ref[...]
   seg_k = segk_ref[...]
   k_range = _segment_range(seg_k)
 
   def grads(g, q_start, carry):
-    dk, dv = carry
+    dks, dv = carry
     rows = pl.ds(q_start, block_q)
-    q, do = q_ref[rows, g, :], do_ref[rows, g, :]  # [bq, D]
+    qs = _parts(lambda cols: q_ref[rows, g, cols], d, _tables(table_q, rows))
+    do = do_ref[rows, g, :]  # [bq, D]
     seg_q = segq_ref[rows]
-    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse_ref[g, rows], sm_scale, window)
+    p = _probs(qs, ks, seg_q, seg_k, q_start, k_start, lse_ref[g, rows], sm_scale, window)
     dv = dv + _dot(p.astype(do.dtype), do, ((0,), (0,)))  # [bk, D]
     dp = _dot(do, v, ((1,), (1,)))  # [bq, bk]
-    ds = p * (dp - delta_ref[g, rows][:, None]) * sm_scale
-    return dk + _dot(ds.astype(q.dtype), q, ((0,), (0,))), dv
+    ds = (p * (dp - delta_ref[g, rows][:, None]) * sm_scale).astype(qs[0].dtype)
+    return tuple(dk + _dot(ds, q, ((0,), (0,))) for dk, q in zip(dks, qs)), dv
 
   def body(g, i, carry):
     q_start = i * block_q
@@ -214,47 +294,54 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_
     return jax.lax.cond(_overlaps(q_range, k_range),
                         lambda c: grads(g, q_start, c), lambda c: c, carry)
 
-  carry = (jnp.zeros((block_kv, d), jnp.float32), jnp.zeros((block_kv, d), jnp.float32))
+  dks = tuple(jnp.zeros((block_kv, k.shape[1]), jnp.float32) for k in ks)
+  carry = (dks, jnp.zeros((block_kv, d), jnp.float32))
   first = k_start // block_q  # causal: earlier query blocks never see this key block
   end = _query_blocks_end(k_start, block_kv, block_q, t // block_q, window)
   for g in range(group):
     carry = jax.lax.fori_loop(first, end, functools.partial(body, g), carry)
-  dk_ref[...] = carry[0].astype(dk_ref.dtype)
+  _store(dk_ref, _unrotated(carry[0], rope_k))
   dv_ref[...] = carry[1].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref,
-               dq_ref, *, sm_scale, block_kv, window):
-  """One (row, q head, query block): q_ref/do_ref [bq, D]; k_ref/v_ref [T, D]."""
+def _dq_kernel(*refs, sm_scale, block_kv, window, rope):
+  """One (row, q head, query block): q_ref/do_ref [bq, D]; k_ref/v_ref [T, D]; with RoPE,
+  tables of the query block's rows [bq, D/2] and of the row's [T, D/2]."""
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref = refs[:8]
+  table_q, table_k = (refs[8:10], refs[10:12]) if rope else ((), ())
+  dq_ref = refs[-1]
   block_q, d = q_ref.shape
   q_start = pl.program_id(2) * block_q
-  q, do = q_ref[...], do_ref[...]
+  rope_q = _tables(table_q)
+  qs, do = _parts(lambda cols: q_ref[:, cols], d, rope_q), do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   seg_q = segq_ref[...]
   q_range = _segment_range(seg_q)
 
-  def grad(k_start, dq):
-    seg_k = segk_ref[pl.ds(k_start, block_kv)]
-    k = k_ref[pl.ds(k_start, block_kv), :]
-    v = v_ref[pl.ds(k_start, block_kv), :]
-    p = _probs(q, k, seg_q, seg_k, q_start, k_start, lse, sm_scale, window)
-    ds = p * (_dot(do, v, ((1,), (1,))) - delta[:, None]) * sm_scale
-    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)))
+  def grad(k_start, dqs):
+    rows = pl.ds(k_start, block_kv)
+    seg_k = segk_ref[rows]
+    ks = _parts(lambda cols: k_ref[rows, cols], d, _tables(table_k, rows))
+    v = v_ref[rows, :]
+    p = _probs(qs, ks, seg_q, seg_k, q_start, k_start, lse, sm_scale, window)
+    ds = (p * (_dot(do, v, ((1,), (1,))) - delta[:, None]) * sm_scale).astype(ks[0].dtype)
+    return tuple(dq + _dot(ds, k, ((1,), (0,))) for dq, k in zip(dqs, ks))
 
-  def body(j, dq):
+  def body(j, dqs):
     k_start = j * block_kv
     k_range = _segment_range(segk_ref[pl.ds(k_start, block_kv)])
     return jax.lax.cond(_overlaps(q_range, k_range),
-                        lambda c: grad(k_start, c), lambda c: c, dq)
+                        lambda c: grad(k_start, c), lambda c: c, dqs)
 
   num_kv = pl.cdiv(q_start + block_q, block_kv)
   first = _first_key_block(q_start, block_kv, window)
-  dq = jax.lax.fori_loop(first, num_kv, body, jnp.zeros((block_q, d), jnp.float32))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dqs = tuple(jnp.zeros((block_q, q.shape[1]), jnp.float32) for q in qs)
+  _store(dq_ref, _unrotated(jax.lax.fori_loop(first, num_kv, body, dqs), rope_q))
 
 
-def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, window, cfg, interpret):
-  """Gradients of the padded problem: (dq [B,T,Hq,D], dk, dv [B,T,Hkv,D]) in input dtypes."""
+def _bwd_call(q, k, v, seg, rope, o, lse, do, sm_scale, window, cfg, interpret):
+  """Gradients of the padded problem: (dq [B,T,Hq,D], dk, dv [B,T,Hkv,D]) in input dtypes;
+  with RoPE, dq and dk those of q and k before their rotation."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
@@ -262,58 +349,63 @@ def _bwd_call(q, k, v, seg, o, lse, do, sm_scale, window, cfg, interpret):
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no keys: every p is masked
   params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  args = (q, k, v, do, lse, delta, seg, seg)
+  tables = rope or ()
 
   full_q = pl.BlockSpec((None, t, group, d), lambda i, h, j: (i, 0, h, 0))
   full_stat = pl.BlockSpec((None, group, t), lambda i, h, j: (i, h, 0))
   kv_block = pl.BlockSpec((None, bk, None, d), lambda i, h, j: (i, j, h, 0))
+  row, keys = _table_specs(rope, (t, lambda i, h, j: (i, 0, 0)),
+                           (bk, lambda i, h, j: (i, j, 0)))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, sm_scale=sm_scale, block_q=bq, group=group,
-                        window=window),
+                        window=window, rope=rope is not None),
       grid=(b, hkv, t // bk),
       in_specs=[full_q, kv_block, kv_block, full_q, full_stat, full_stat,
                 pl.BlockSpec((None, t), lambda i, h, j: (i, 0)),
-                pl.BlockSpec((None, bk), lambda i, h, j: (i, j))],
+                pl.BlockSpec((None, bk), lambda i, h, j: (i, j)), *row, *keys],
       out_specs=[kv_block, kv_block],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=params, interpret=interpret, name="packed_attention_dkv",
-  )(*args)
+  )(q, k, v, do, lse, delta, seg, seg, *tables, *tables)
 
   q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
   full_kv = pl.BlockSpec((None, t, None, d), lambda i, h, j: (i, 0, h // group, 0))
+  queries, row = _table_specs(rope, (bq, lambda i, h, j: (i, j, 0)),
+                              (t, lambda i, h, j: (i, 0, 0)))
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, sm_scale=sm_scale, block_kv=bk, window=window),
+      functools.partial(_dq_kernel, sm_scale=sm_scale, block_kv=bk, window=window,
+                        rope=rope is not None),
       grid=(b, hq, t // bq),
       in_specs=[q_block, full_kv, full_kv, q_block,
                 pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
                 pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
                 pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
-                pl.BlockSpec((None, t), lambda i, h, j: (i, 0))],
+                pl.BlockSpec((None, t), lambda i, h, j: (i, 0)), *queries, *row],
       out_specs=q_block,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=params, interpret=interpret, name="packed_attention_dq",
-  )(*args)
+  )(q, k, v, do, lse, delta, seg, seg, *tables, *tables)
   return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- GPU path
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _flash(q, k, v, seg, sm_scale, window, cfg, interpret):
-  return _fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, seg, rope, sm_scale, window, cfg, interpret):
+  return _fwd_call(q, k, v, seg, rope, sm_scale, window, cfg, interpret)[0]
 
 
-def _flash_fwd(q, k, v, seg, sm_scale, window, cfg, interpret):
-  o, lse = _named_residuals(*_fwd_call(q, k, v, seg, sm_scale, window, cfg, interpret))
-  return o, (q, k, v, seg, o, lse)
+def _flash_fwd(q, k, v, seg, rope, sm_scale, window, cfg, interpret):
+  o, lse = _named_residuals(*_fwd_call(q, k, v, seg, rope, sm_scale, window, cfg, interpret))
+  return o, (q, k, v, seg, rope, o, lse)
 
 
 def _flash_bwd(sm_scale, window, cfg, interpret, res, do):
-  q, k, v, seg, o, lse = res
-  dq, dk, dv = _bwd_call(q, k, v, seg, o, lse, do, sm_scale, window, cfg, interpret)
-  return dq, dk, dv, None
+  q, k, v, seg, rope, o, lse = res
+  dq, dk, dv = _bwd_call(q, k, v, seg, rope, o, lse, do, sm_scale, window, cfg, interpret)
+  return dq, dk, dv, None, None  # The tables come from positions: nothing to learn there.
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -328,18 +420,22 @@ def _fit_blocks(cfg, t):
                              bwd_block_kv=fit(cfg.bwd_block_kv))
 
 
-def _packed_triton(q, k, v, segment_ids, window, cfg, interpret):
+def _packed_triton(q, k, v, segment_ids, window, cfg, interpret, rope=None):
   b, t, _, d = q.shape
   cfg = _fit_blocks(cfg, t)
   for n in (cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv):
     if n & (n - 1):
       raise ValueError(f"triton block sizes must be powers of two, got {n}")
+  if rope is not None and not rotates_in_kernel(d):
+    q, k, rope = rotate_half(q, *rope), rotate_half(k, *rope), None
   multiple = max(cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv)
   t_pad = pl.cdiv(t, multiple) * multiple
   d_pad = max(16, pl.next_power_of_2(d))  # zero columns change neither scores nor outputs
   pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
   seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)))
-  out = _flash(pad(q), pad(k), pad(v), seg, 1.0 / math.sqrt(d), window, cfg, interpret)
+  if rope is not None:  # In q's dtype, as rotate_half computes.
+    rope = tuple(jnp.pad(r.astype(q.dtype), ((0, 0), (0, t_pad - t), (0, 0))) for r in rope)
+  out = _flash(pad(q), pad(k), pad(v), seg, rope, 1.0 / math.sqrt(d), window, cfg, interpret)
   return out[:, :t, :, :d]
 
 
@@ -570,15 +666,19 @@ _IMPLS = {"triton": _packed_triton, "splash": _packed_splash, "blocked": _packed
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sliding_window"))
-def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig(),
+def packed_attention(q, k, v, segment_ids, rope=None, *, config=PackedAttentionConfig(),
                      sliding_window=None):
   """Causal attention inside packed segments, differentiable in q, k and v.
 
   Args:
-    q: [B, T, Hq, D] queries (RoPE applied).
+    q: [B, T, Hq, D] queries (RoPE applied, unless `rope` is given).
     k: [B, T, Hkv, D] keys; Hq is a multiple of Hkv.
     v: [B, T, Hkv, D] values.
     segment_ids: [B, T] int, contiguous runs per sequence; 0 marks padding.
+    rope: None, or (cos, sin) [B, T, D/2] at each token: q and k are then taken before
+      RoPE and rotated as rotate_half does, the gradients being those of the unrotated q
+      and k. The Triton kernels rotate each block as they read it (rotates_in_kernel), so
+      the rotated q and k are never written; the other backends rotate first.
     config: static tunables.
     sliding_window: static; query t sees only keys s with t - s < sliding_window. Measured
       in tokens of the row, which inside a packed segment equals the position distance.
@@ -589,9 +689,15 @@ def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig(),
   if q.shape[2] % k.shape[2] or k.shape != v.shape or q.shape[:2] != segment_ids.shape:
     raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} "
                      f"segment_ids {segment_ids.shape}")
+  if rope is not None and any(r.shape != (*q.shape[:2], q.shape[3] // 2) for r in rope):
+    raise ValueError(f"bad RoPE tables {[r.shape for r in rope]} for q {q.shape}")
   if sliding_window is not None and sliding_window < 1:
     raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
   backend, interpret = _resolve(config)
+  if backend == "triton":
+    return _packed_triton(q, k, v, segment_ids, sliding_window, config, interpret, rope)
+  if rope is not None:
+    q, k = rotate_half(q, *rope), rotate_half(k, *rope)
   return _IMPLS[backend](q, k, v, segment_ids, sliding_window, config, interpret)
 
 
@@ -599,7 +705,8 @@ def packed_attention(q, k, v, segment_ids, *, config=PackedAttentionConfig(),
 
 
 def packed_attention_reference(q, k, v, segment_ids, sliding_window=None):
-  """float32 dense masked softmax; [B, T, Hq, D] f32, 0 at padding positions."""
+  """float32 dense masked softmax; [B, T, Hq, D] f32, 0 at padding positions (q and k
+  with RoPE applied)."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)

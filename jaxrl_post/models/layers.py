@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxrl_post.kernels import PackedAttentionConfig, packed_attention
+from jaxrl_post.kernels import (PackedAttentionConfig, packed_attention, rotate_half,
+                                rotates_in_kernel)
 from jaxrl_post.models.config import ModelConfig
 from jaxrl_post.sharding import active_rules, logical_to_spec, spec_axes, target_platform
 
@@ -68,6 +69,11 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:  # [head
   return inv_freq.astype(np.float32)
 
 
+def rope_tables(positions, inv_freq):  # [B, T], [D/2] -> cos, sin [B, T, D/2] float32
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, positions, inv_freq):  # [B, T, H, D], [B, T], [D/2] -> [B, T, H, D]
   """Rotate-half RoPE (Hugging Face layout; GGUF weights are un-permuted to match).
 
@@ -75,12 +81,7 @@ def apply_rope(x, positions, inv_freq):  # [B, T, H, D], [B, T], [D/2] -> [B, T,
   the whole head the halves' slices and the concatenation made XLA:GPU split a normed
   key's rotation (Qwen3's k-norm) into five fusions, per half it makes one.
   """
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotate_half(x, *rope_tables(positions, inv_freq))
 
 
 def softcap(x, cap: Optional[float]):
@@ -150,13 +151,39 @@ class TrainingAttention:
   kernel: PackedAttentionConfig = PackedAttentionConfig()
 
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(q, k, v) -> out; attend(q, k, v, (cos, sin)) takes q and k before RoPE.
+Attend = Callable[..., jax.Array]
+
+
+def _kernel(config: TrainingAttention) -> PackedAttentionConfig:
+  """The kernel config with its backend chosen by the devices traced for (not the host's;
+  sharding.platform) where it names none."""
+  kernel = config.kernel
+  if kernel.backend is None:
+    platform = target_platform()
+    backend = {"gpu": "triton", "tpu": "splash"}.get(platform, "blocked")
+    interpret = platform == "cpu" if kernel.interpret is None else kernel.interpret
+    kernel = dataclasses.replace(kernel, backend=backend, interpret=interpret)
+  return kernel
+
+
+def rope_in_attention(cfg: ModelConfig, length: int, config: TrainingAttention) -> bool:
+  """Whether the packed forward hands attention q and k before RoPE, with its tables: the
+  Triton kernels rotate each block as they read it, so the rotated q and k and their
+  gradients never pass through HBM (a pass over q and k in each direction, every layer).
+  Not on the plain path or another backend, nor where Gemma's query scale follows RoPE."""
+  if length <= config.plain_max_len or cfg.attn_logit_softcapping is not None:
+    return False
+  if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+    return False
+  return _kernel(config).backend == "triton" and rotates_in_kernel(cfg.head_dim)
 
 
 def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
                         config: TrainingAttention = TrainingAttention(),
                         logit_cap: Optional[float] = None) -> Attend:
-  """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D]) -> [B, S, Hq, D] for one packed batch.
+  """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D], rope=None) -> [B, S, Hq, D] for one
+  packed batch; with rope, (cos, sin) [B, S, D/2], q and k come before RoPE.
 
   Chosen once per forward so the plain path's mask is built once for every layer. Every
   path gives 0 at padding queries (segment id 0): they attend to nothing. The kernels
@@ -167,23 +194,22 @@ def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
   """
   if segment_ids.shape[1] <= config.plain_max_len or logit_cap is not None:
     return _plain_packed(segment_ids, positions, sliding_window, logit_cap)
-  kernel = config.kernel
-  if kernel.backend is None:  # By the devices traced for, not the host (sharding.platform).
-    platform = target_platform()
-    backend = {"gpu": "triton", "tpu": "splash"}.get(platform, "blocked")
-    interpret = platform == "cpu" if kernel.interpret is None else kernel.interpret
-    kernel = dataclasses.replace(kernel, backend=backend, interpret=interpret)
+  kernel = _kernel(config)
   fn = functools.partial(packed_attention, config=kernel, sliding_window=sliding_window)
   if kernel.backend == "blocked":  # plain XLA ops: the partitioner shards them itself
-    return lambda q, k, v: fn(q, k, v, segment_ids)
-  return lambda q, k, v: _per_device(fn, q, k, v, segment_ids)
+    return lambda q, k, v, rope=None: fn(q, k, v, segment_ids, rope)
+  return lambda q, k, v, rope=None: _per_device(fn, q, k, v, segment_ids, rope)
 
 
 def _plain_packed(segment_ids, positions, sliding_window, logit_cap=None) -> Attend:
   mask = packed_mask(segment_ids, positions, sliding_window)  # [B, S, S]
   real = (segment_ids != 0)[:, :, None, None]
-  return lambda q, k, v: jnp.where(real, attention(q, k, v, mask, logit_cap),
-                                   0).astype(q.dtype)
+
+  def attend(q, k, v, rope=None):
+    if rope is not None:
+      q, k = rotate_half(q, *rope), rotate_half(k, *rope)
+    return jnp.where(real, attention(q, k, v, mask, logit_cap), 0).astype(q.dtype)
+  return attend
 
 
 def per_layer(cfg: ModelConfig, make: Callable[[Optional[int]], Callable]) -> Callable:
@@ -221,17 +247,22 @@ def batch_shards(size: int) -> int:
   return math.prod(mesh.shape[a] for a in spec_axes(axes))
 
 
-def _per_device(fn, q, k, v, segment_ids):
+def _per_device(fn, q, k, v, segment_ids, rope=None):
   """fn on each device's rows and heads (shard_map) under active activation rules.
 
   XLA cannot partition a Pallas call: left to the partitioner it would gather every row
-  and head onto every device. Query heads follow their KV heads, so GQA groups stay whole.
+  and head onto every device. Query heads follow their KV heads, so GQA groups stay whole;
+  RoPE tables, one per token, follow the rows.
   """
   active = active_rules()
   if active is None:
-    return fn(q, k, v, segment_ids)
+    return fn(q, k, v, segment_ids, rope)
   rules, mesh = active
   kv = logical_to_spec(("batch", None, "kv_heads", None), k.shape, rules, mesh)
   qs = PartitionSpec(kv[0], None, kv[2], None)
-  return jax.shard_map(fn, mesh=mesh, in_specs=(qs, kv, kv, PartitionSpec(kv[0], None)),
-                       out_specs=qs, check_vma=False)(q, k, v, segment_ids)
+  specs, args = [qs, kv, kv, PartitionSpec(kv[0], None)], [q, k, v, segment_ids]
+  if rope is not None:
+    specs.append((PartitionSpec(kv[0], None, None),) * 2)
+    args.append(tuple(rope))
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=qs,
+                       check_vma=False)(*args)

@@ -197,10 +197,21 @@ class Transformer(nnx.Module):
     x = constrain(self.embed_tokens(tokens), _RESIDUAL)
     valid = segment_ids != 0
 
+    rope_in_attention = L.rope_in_attention(cfg, tokens.shape[1], attention)
+    # Every layer rotates by the same tables but Gemma 3's mixed ones: made once, outside
+    # the (rematerialised) layer loop.
+    tables = None
+    if rope_in_attention and not cfg.mixed_windows:
+      tables = rope_tables(cfg, positions, x.dtype)
+
     def body(x, layer_in):
       p, layer, rec = layer_in
-      q, k, v = qkv_projection(cfg, x, p, positions, layer)
-      return post_attention(cfg, x, p, attend(layer, q, k, v), rec, valid, replay)
+      if rope_in_attention:
+        own = rope_tables(cfg, positions, x.dtype, layer) if tables is None else tables
+        attn = attend(layer, *qkv_before_rope(cfg, x, p), own)
+      else:
+        attn = attend(layer, *qkv_projection(cfg, x, p, positions, layer))
+      return post_attention(cfg, x, p, attn, rec, valid, replay)
 
     body = _maybe_remat(body, cfg.remat)
     recorded = moe.recorded_layers(recorded, cfg.num_layers)
@@ -399,6 +410,28 @@ def qkv_projection(cfg: ModelConfig, x, p, positions, layer=None):  # -> 3 x [B,
   Gemma's 1 / sqrt(query_pre_attn_scalar) without a scale argument in each of them.
   """
   dt = x.dtype
+  q, k, v = _projected(cfg, x, p)
+  inv_freq = _rope_inv_freq(cfg, layer)
+  q, k = L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq)
+  if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+    q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), dt)
+  return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
+
+
+def qkv_before_rope(cfg: ModelConfig, x, p):  # -> 3 x [B, T, H, hd]
+  """qkv_projection's q, k and v with q and k not yet rotated, for an attention that
+  rotates them itself (layers.rope_in_attention; never with Gemma's query scale)."""
+  q, k, v = _projected(cfg, x, p)
+  return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
+
+
+def rope_tables(cfg: ModelConfig, positions, dtype, layer=None):  # -> cos, sin [B, T, hd/2]
+  """The RoPE tables qkv_projection rotates with, in `dtype` (as it casts them)."""
+  return tuple(t.astype(dtype) for t in L.rope_tables(positions, _rope_inv_freq(cfg, layer)))
+
+
+def _projected(cfg: ModelConfig, x, p):  # -> q, k, v [B, T, H, hd] before RoPE
+  dt = x.dtype
   h = _norm(cfg, x, p["attn_norm"])
   q, k, v = _dense_shared(cfg, h, p, ("wq", "wk", "wv"))
   if cfg.qkv_bias:
@@ -406,11 +439,7 @@ def qkv_projection(cfg: ModelConfig, x, p, positions, layer=None):  # -> 3 x [B,
   if cfg.qk_norm:  # Per head over head_dim, before RoPE (as transformers' Qwen3 does).
     q = _norm(cfg, q, p["q_norm"])
     k = _norm(cfg, k, p["k_norm"])
-  inv_freq = _rope_inv_freq(cfg, layer)
-  q, k = L.apply_rope(q, positions, inv_freq), L.apply_rope(k, positions, inv_freq)
-  if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
-    q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), dt)
-  return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
+  return q, k, v
 
 
 def post_attention(cfg: ModelConfig, x, p, attn, recorded=None, valid=None,

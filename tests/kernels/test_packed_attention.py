@@ -102,3 +102,46 @@ def test_gpu_kernel_values_and_grads(dtype):
   assert jax.default_backend() == "gpu"
   segments = np.stack([np.repeat([1, 2, 3, 0], [100, 211, 150, 51]), np.full(512, 4)])
   check(kernels.PackedAttentionConfig(), *inputs(7, 8, 2, dtype, segments), dtype)
+
+
+def rope_tables(segments, d, theta=100.0):
+  """cos, sin [B, T, d/2] f32 at each token's position within its segment."""
+  seg = np.asarray(segments)
+  starts = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], 1)
+  idx = np.arange(seg.shape[1])
+  positions = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+  angles = positions[..., None] * theta ** (-np.arange(0, d, 2) / d)
+  return jnp.asarray(np.cos(angles), F32), jnp.asarray(np.sin(angles), F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend,d", [("triton", 32), ("triton", 16), ("blocked", 32)],
+                         ids=["triton-in-kernel", "triton-rotated-before", "blocked"])
+def test_rope_tables_give_the_attention_of_rotated_q_and_k(backend, d, dtype):
+  """With `rope`, q and k go in before RoPE: values and their gradients equal the float32
+  reference's on rotated inputs, differentiated through the rotation. At head_dim 32 the
+  Triton kernels rotate each block as they read it (forward, dK/dV and dQ), at 16 they
+  cannot split it and rotate first."""
+  assert kernels.rotates_in_kernel(d) == (d == 32)
+  rng = np.random.default_rng(11)
+  b, t = SEGMENTS.shape
+  draw = lambda h: jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+  q, k, v, weights = draw(4), draw(2), draw(2), draw(4)
+  seg = jnp.asarray(SEGMENTS, jnp.int32)
+  rope = rope_tables(SEGMENTS, d)
+  cfg = kernels.PackedAttentionConfig(backend=backend, **BACKENDS[backend])
+  attention = lambda q, k, v, seg: kernels.packed_attention(q, k, v, seg, rope, config=cfg)
+  reference = lambda q, k, v, seg: kernels.packed_attention_reference(
+      kernels.rotate_half(q, *rope), kernels.rotate_half(k, *rope), v, seg)
+  out = attention(q, k, v, seg)
+  grads = jax.grad(functools.partial(loss, attention), argnums=(0, 1, 2))(q, k, v, seg, weights)
+  up = lambda x: x.astype(F32)
+  want = reference(up(q), up(k), up(v), seg)
+  want_grads = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(
+      up(q), up(k), up(v), seg, weights)
+  assert out.dtype == dtype
+  assert_close(out, want, dtype)
+  for g, w in zip(grads, want_grads):
+    assert g.dtype == dtype
+    assert_close(g, w, dtype)
+  assert not np.asarray(out, np.float32)[SEGMENTS == 0].any()

@@ -186,10 +186,36 @@ def test_model_with_blocked_attention_equals_the_plain_model(window):
   jax.tree.map(close, grads, want_grads)
 
 
-def test_kernel_path_runs_per_device_on_a_mesh():
+MIXED = dict(sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+             rope_local_base_freq=100.0)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(sliding_window=6, qk_norm=True), MIXED],
+                         ids=["causal", "window6-qk-norm", "mixed-layers"])
+def test_model_with_rope_in_the_kernel_equals_the_plain_model(extra):
+  """At head_dim 32 the Triton kernels take q and k before RoPE and rotate them as they
+  read them (forward and both backward kernels): the model's hidden states and every
+  parameter's gradient equal the plain path's, which rotates first. Gemma 3's mixed
+  layers rotate by tables of their own base."""
+  cfg = tiny(qkv_bias=True, head_dim=32, **extra)
+  assert L.rope_in_attention(cfg, SEGMENTS.shape[1], TRITON)
+  assert not L.rope_in_attention(tiny(), SEGMENTS.shape[1], TRITON)  # head_dim 8: halves of 4
+  assert not L.rope_in_attention(cfg, SEGMENTS.shape[1], BLOCKED)
+  model = init_model(cfg, seed=1)
+  args = packed_tokens(2)
+  (loss, hidden), grads = model_loss(model, *args, TRITON)
+  (want_loss, want_hidden), want_grads = model_loss(model, *args, PLAIN)
+  real = SEGMENTS != 0
+  close(np.asarray(hidden)[real], np.asarray(want_hidden)[real])
+  close(loss, want_loss)
+  jax.tree.map(close, grads, want_grads)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32], ids=["rope-before", "rope-in-kernel"])
+def test_kernel_path_runs_per_device_on_a_mesh(head_dim):
   """On 8 devices the Pallas path goes through shard_map (rows over data x fsdp, heads
-  over tensor) and gives the single-device numbers."""
-  model = init_model(tiny(), seed=3)
+  over tensor; RoPE tables with the rows) and gives the single-device numbers."""
+  model = init_model(tiny(head_dim=head_dim), seed=3)
   tokens, pos, seg = (jnp.tile(x, (2, 1)) for x in packed_tokens(4))  # 6 rows: 3 per fsdp shard
   mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), jax.devices()[:4])
   graphdef, state = nnx.split(model)
@@ -202,7 +228,7 @@ def test_kernel_path_runs_per_device_on_a_mesh():
   sharded = forward(state, tokens, pos, seg)
   text = forward.lower(state, tokens, pos, seg).as_text()
   assert "shard_map" in text or "sdy.manual_computation" in text
-  want = init_model(tiny(), seed=3)(tokens, pos, seg, attention=PLAIN)
+  want = init_model(tiny(head_dim=head_dim), seed=3)(tokens, pos, seg, attention=PLAIN)
   real = np.asarray(seg) != 0
   close(np.asarray(sharded)[real], np.asarray(want)[real])
 
