@@ -151,7 +151,7 @@ class TrainingAttention:
   kernel: PackedAttentionConfig = PackedAttentionConfig()
 
 
-# attend(q, k, v) -> out; attend(q, k, v, (cos, sin)) takes q and k before RoPE.
+# attend(q, k, v) -> out; a kernel path's attend(q, k, v, (cos, sin)) takes them before RoPE.
 Attend = Callable[..., jax.Array]
 
 
@@ -182,8 +182,9 @@ def rope_in_attention(cfg: ModelConfig, length: int, config: TrainingAttention) 
 def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
                         config: TrainingAttention = TrainingAttention(),
                         logit_cap: Optional[float] = None) -> Attend:
-  """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D], rope=None) -> [B, S, Hq, D] for one
-  packed batch; with rope, (cos, sin) [B, S, D/2], q and k come before RoPE.
+  """attend(q [B, S, Hq, D], k, v [B, S, Hkv, D]) -> [B, S, Hq, D] for one packed batch;
+  a kernel path's also takes rope, (cos, sin) [B, S, D/2], with q and k before RoPE (where
+  rope_in_attention says so).
 
   Chosen once per forward so the plain path's mask is built once for every layer. Every
   path gives 0 at padding queries (segment id 0): they attend to nothing. The kernels
@@ -205,11 +206,8 @@ def _plain_packed(segment_ids, positions, sliding_window, logit_cap=None) -> Att
   mask = packed_mask(segment_ids, positions, sliding_window)  # [B, S, S]
   real = (segment_ids != 0)[:, :, None, None]
 
-  def attend(q, k, v, rope=None):
-    if rope is not None:
-      q, k = rotate_half(q, *rope), rotate_half(k, *rope)
-    return jnp.where(real, attention(q, k, v, mask, logit_cap), 0).astype(q.dtype)
-  return attend
+  return lambda q, k, v: jnp.where(real, attention(q, k, v, mask, logit_cap),
+                                   0).astype(q.dtype)
 
 
 def per_layer(cfg: ModelConfig, make: Callable[[Optional[int]], Callable]) -> Callable:

@@ -202,12 +202,12 @@ class Transformer(nnx.Module):
     # the (rematerialised) layer loop.
     tables = None
     if rope_in_attention and not cfg.mixed_windows:
-      tables = rope_tables(cfg, positions, x.dtype)
+      tables = _rope_tables(cfg, positions, x.dtype)
 
     def body(x, layer_in):
       p, layer, rec = layer_in
       if rope_in_attention:
-        own = rope_tables(cfg, positions, x.dtype, layer) if tables is None else tables
+        own = _rope_tables(cfg, positions, x.dtype, layer) if tables is None else tables
         attn = attend(layer, *qkv_before_rope(cfg, x, p), own)
       else:
         attn = attend(layer, *qkv_projection(cfg, x, p, positions, layer))
@@ -425,7 +425,7 @@ def qkv_before_rope(cfg: ModelConfig, x, p):  # -> 3 x [B, T, H, hd]
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
-def rope_tables(cfg: ModelConfig, positions, dtype, layer=None):  # -> cos, sin [B, T, hd/2]
+def _rope_tables(cfg: ModelConfig, positions, dtype, layer=None):  # -> cos, sin [B, T, hd/2]
   """The RoPE tables qkv_projection rotates with, in `dtype` (as it casts them)."""
   return tuple(t.astype(dtype) for t in L.rope_tables(positions, _rope_inv_freq(cfg, layer)))
 

@@ -176,9 +176,14 @@ def packed_tokens(seed):
 
 @pytest.mark.parametrize("window", [None, 6], ids=["causal", "window6"])
 def test_model_with_blocked_attention_equals_the_plain_model(window):
-  model = init_model(tiny(sliding_window=window, qkv_bias=True), seed=1)
+  assert_model_equals_the_plain_model(tiny(sliding_window=window, qkv_bias=True), BLOCKED)
+
+
+def assert_model_equals_the_plain_model(cfg, attention):
+  """Hidden states at real tokens, the loss and every parameter's gradient."""
+  model = init_model(cfg, seed=1)
   args = packed_tokens(2)
-  (loss, hidden), grads = model_loss(model, *args, BLOCKED)
+  (loss, hidden), grads = model_loss(model, *args, attention)
   (want_loss, want_hidden), want_grads = model_loss(model, *args, PLAIN)
   real = SEGMENTS != 0
   close(np.asarray(hidden)[real], np.asarray(want_hidden)[real])
@@ -201,14 +206,7 @@ def test_model_with_rope_in_the_kernel_equals_the_plain_model(extra):
   assert L.rope_in_attention(cfg, SEGMENTS.shape[1], TRITON)
   assert not L.rope_in_attention(tiny(), SEGMENTS.shape[1], TRITON)  # head_dim 8: halves of 4
   assert not L.rope_in_attention(cfg, SEGMENTS.shape[1], BLOCKED)
-  model = init_model(cfg, seed=1)
-  args = packed_tokens(2)
-  (loss, hidden), grads = model_loss(model, *args, TRITON)
-  (want_loss, want_hidden), want_grads = model_loss(model, *args, PLAIN)
-  real = SEGMENTS != 0
-  close(np.asarray(hidden)[real], np.asarray(want_hidden)[real])
-  close(loss, want_loss)
-  jax.tree.map(close, grads, want_grads)
+  assert_model_equals_the_plain_model(cfg, TRITON)
 
 
 @pytest.mark.parametrize("head_dim", [8, 32], ids=["rope-before", "rope-in-kernel"])
