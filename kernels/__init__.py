@@ -8,6 +8,7 @@ its tunables in a frozen config dataclass passed as a static argument.
   GPU also cascade's block prefix (paged_attention_block_parts).
 * paged_append: the GPU's decode attention that also writes the new token's K/V (and
   folds in a block prefix's parts).
+* qk_prep: the q/k norm and RoPE the GPU's decode kernels apply to the rows they read.
 * paged_prefill: packed prompt chunks against their own pages (the engine's prefill).
 * cascade_attention: shared-prompt decode for groups of samples, merged by log-sum-exp.
 * packed_attention: causal attention over packed segments, with gradients (and RoPE

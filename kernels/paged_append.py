@@ -11,7 +11,9 @@ call (the new position is masked in the pool), so there is no race, and the resu
 write followed by paged attention, the order of summation aside.
 
 Query rows are loaded and stored under a mask, as the plain kernel's are, so neither q nor
-the output is padded to Triton's 16 rows.
+the output is padded to Triton's 16 rows. Given a kernels.qk_prep.QKPrep, the kernel also
+norms (Qwen3's q/k norm) and rotates (RoPE) the queries and the new key as it reads them,
+so the layer's Q/K/V product feeds it directly.
 
 Pool layout and page tables as in :mod:`paged_attention`. Runs in interpret mode on CPU;
 TPU writes with kernels.kv_write and attends with the Mosaic kernel instead.
@@ -29,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxrl_post.kernels import qk_prep
+from jaxrl_post.kernels.qk_prep import prepared_rows, scale_halves
 from jaxrl_post.kernels.paged_attention import (
     MASK_VALUE, PagedAttentionConfig, _cost, _empty_carry, _finish, _fold_pages,
     _split_pages, _visible, merge_attention_parts, paged_attention_with_lse_reference,
@@ -62,15 +66,19 @@ def _prior_carry(out_ref, lse_ref, gp, rows):
 
 def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs, sm_scale,
                    pages_per_block, pages_per_split, groups, heads, window=None,
-                   prior=False):
+                   prior=False, prep=None):
   """One (sequence, KV head, context split): qkv_ref [Hq + 2 Hkv, D] (the sequence's
   queries, new keys and new values), pools [P, ps, D]; the length counts the new token.
   With `prior`, refs start with the sequence's prior parts of the head ([S, G, D] and
-  [S, G]: cascade's shared prefix), which split 0 starts its online softmax from."""
-  if prior:
-    prior_out, prior_lse, o_ref, lse_ref, k_out, v_out = refs
-  else:
-    o_ref, lse_ref, k_out, v_out = refs
+  [S, G]: cascade's shared prefix), which split 0 starts its online softmax from. With
+  `prep` (a QKPrep), the row's RoPE tables [D/2] x2 and its norm's scales [D] x2 come
+  next, and the queries and the new key are normed and rotated as they are read."""
+  refs = list(refs)
+  prior_out, prior_lse = (refs.pop(0), refs.pop(0)) if prior else (None, None)
+  tables = (refs.pop(0), refs.pop(0)) if prep is not None else None
+  normed = prep is not None and prep.norm_eps is not None
+  scales = (refs.pop(0), refs.pop(0)) if normed else (None, None)
+  o_ref, lse_ref, k_out, v_out = refs
   page_size = k_ref.shape[1]
   h, split = pl.program_id(1), pl.program_id(2)
   new_k, new_v = heads + h, heads + (qkv_ref.shape[0] - heads) // 2 + h  # rows of qkv
@@ -79,7 +87,18 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs
   first, num_blocks = _split_pages(split, old, page_size, pages_per_split, pages_per_block)
   gp, d = o_ref.shape
   rows = jnp.arange(gp) < groups
-  q = pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), :], mask=rows[:, None], other=0)
+  if tables is None:
+    q = pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), :], mask=rows[:, None], other=0)
+    kn = qkv_ref[new_k, :].astype(k_out.dtype)
+  else:
+    cos, sin = tables[0][...][None, :], tables[1][...][None, :]
+    half = d // 2
+    q = prepared_rows(
+        lambda cols: pltriton.load(qkv_ref.at[pl.ds(h * groups, gp), cols],
+                                   mask=rows[:, None], other=0),
+        d, cos, sin, scale_halves(prep, scales[0], half), prep.norm_eps, qkv_ref.dtype)
+    kn = prepared_rows(lambda cols: qkv_ref[pl.ds(new_k, 1), cols], d, cos, sin,
+                       scale_halves(prep, scales[1], half), prep.norm_eps, k_out.dtype).reshape(d)
   carry = _empty_carry(gp, d)
   if prior:
     before = _prior_carry(prior_out, prior_lse, gp, rows)
@@ -88,7 +107,7 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs
                       pages_per_block, sm_scale,
                       lambda pos: _visible(pos, length, window) & (pos < old))
   # Rounded as the pool stores them, so the new token counts as the pool's copy would.
-  kn, vn = qkv_ref[new_k, :].astype(k_out.dtype), qkv_ref[new_v, :].astype(v_out.dtype)
+  vn = qkv_ref[new_v, :].astype(v_out.dtype)
   out, lse = _finish(*_fold_new(q, kn, vn, carry, sm_scale, split == 0))
   pltriton.store(o_ref, out.astype(o_ref.dtype), mask=rows[:, None])
   pltriton.store(lse_ref, lse.reshape(gp), mask=rows)
@@ -101,9 +120,9 @@ def _append_kernel(qkv_ref, k_ref, v_ref, pt_ref, len_ref, wp_ref, ws_ref, *refs
 
 
 def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot, config,
-                 interpret, window, out_dtype, prior=None):
+                 interpret, window, out_dtype, prior=None, prep=None, prep_ops=None):
   """qkv [B, Hq + 2 Hkv, D] -> (out [B, Hkv, G, D] in out_dtype (float32 when the context
-  is split), lse [B, Hkv, G] f32, k_pages, v_pages); prior as in
+  is split), lse [B, Hkv, G] f32, k_pages, v_pages); prior, prep and prep_ops as in
   paged_attention_append_parts."""
   b, rows, d = qkv.shape
   hkv, num_pages, page_size, _ = k_pages.shape
@@ -117,9 +136,10 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
     prior_args, parts = prior, prior[0].shape[0]
     prior_specs = [pl.BlockSpec((parts, None, None, g, d), lambda i, h, s: (0, i, h, 0, 0)),
                    pl.BlockSpec((parts, None, None, g), lambda i, h, s: (0, i, h, 0))]
+  prep_specs, prep_args = qk_prep.block_specs(prep, prep_ops, d)
   kernel = functools.partial(_append_kernel, sm_scale=1.0 / math.sqrt(d),
                              pages_per_block=ppb, pages_per_split=pps, groups=g, heads=hq,
-                             window=window, prior=prior is not None)
+                             window=window, prior=prior is not None, prep=prep)
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   row = pl.BlockSpec((1,), lambda i, h, s: (i,))
   dtype = out_dtype if splits == 1 else jnp.float32  # Splits merge in float32.
@@ -128,7 +148,7 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
       grid=(b, hkv, splits),
       in_specs=[pl.BlockSpec((None, rows, d), lambda i, h, s: (i, 0, 0)), pool_spec,
                 pool_spec, pl.BlockSpec((None, splits * pps), lambda i, h, s: (i, 0)),
-                row, row, row, *prior_specs],
+                row, row, row, *prior_specs, *prep_specs],
       out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, s: (s, i, h, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda i, h, s: (s, i, h, 0)),
                  pool_spec, pool_spec],
@@ -143,7 +163,8 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
       cost_estimate=_cost(jax.ShapeDtypeStruct((b, hkv, g, d), qkv.dtype), k_pages,
                           page_table.shape[1]),
       name="paged_attention_append_triton",
-  )(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot, *prior_args)
+  )(qkv, k_pages, v_pages, page_table, lengths, write_page, write_slot, *prior_args,
+    *prep_args)
   if splits == 1:  # Enough sequences to fill the GPU: the answer itself, no merge pass.
     return out[0], lse[0], k_pages, v_pages
   out, lse = merge_attention_parts(out, lse)
@@ -152,7 +173,7 @@ def _append_call(qkv, k_pages, v_pages, page_table, lengths, write_page, write_s
 
 def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, write_page,
                                  write_slot, config, window=None, out_dtype=jnp.float32,
-                                 prior=None):
+                                 prior=None, prep=None, prep_ops=None):
   """Un-jitted core: (out [B, Hq, D] in out_dtype, lse [B, Hq] f32, k_pages, v_pages).
 
   prior: None, or attention of each row's queries over keys outside its table, which the
@@ -160,6 +181,9 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
   Hkv, G, D] f32, lse [S, B, Hkv, G] f32, G = Hq / Hkv; kernels.paged_attention's
   paged_attention_block_parts). They are merged in the kernel, so no pass over them comes
   between the two kernels, nor after when the context is not split.
+  prep, prep_ops: None, or a kernels.qk_prep.QKPrep and its PrepOperands: qkv's queries
+  and keys are then the projection's, before the q/k norm and RoPE, which the kernel
+  applies (the pool gets the rotated key).
   """
   b, rows, d = qkv.shape
   hkv, num_pages, page_size, dk = k_pages.shape
@@ -171,6 +195,8 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
                             prior[1].shape != prior[0].shape[:-1]):
     raise ValueError(f"prior parts {prior[0].shape} / {prior[1].shape} do not fit qkv "
                      f"{qkv.shape} on {hkv} KV heads")
+  if prep is not None:
+    qk_prep.check(prep, prep_ops, b, d)
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
     raise ValueError(f"paged_attention_append is a Triton kernel, not {backend!r}; a TPU "
@@ -180,21 +206,22 @@ def paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths, wri
   out, lse, k_pages, v_pages = _append_call(
       qkv, k_pages, v_pages, clip(page_table, num_pages - 1), clip(lengths, capacity),
       clip(write_page, num_pages - 1), clip(write_slot, page_size - 1), config, interpret,
-      window, out_dtype, prior)
+      window, out_dtype, prior, prep, prep_ops)
   return out.reshape(b, hq, d), lse.reshape(b, hq), k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window"),
+@functools.partial(jax.jit, static_argnames=("config", "window", "prep"),
                    donate_argnames=("k_pages", "v_pages"))
 def paged_attention_append(qkv, k_pages, v_pages, page_table, lengths, write_page,
                            write_slot, *, config=PagedAttentionConfig(), window=None,
-                           prior=None):
+                           prior=None, prep=None, prep_ops=None):
   """Writes each sequence's new K/V and attends over its tokens, the new one included.
 
   Args:
     qkv: [B, Hq + 2 Hkv, D] each sequence's new token: its Hq query heads (at position
-      ``lengths - 1``), then its Hkv keys, then its Hkv values, side by side so that one
-      fusion of the projection's epilogue (RoPE) feeds the kernel.
+      ``lengths - 1``), then its Hkv keys, then its Hkv values, side by side: one
+      product's output where the kernel norms and rotates q and k itself (`prep`), else
+      the output of one fusion of the projection's epilogue (RoPE).
     k_pages, v_pages: [Hkv, num_pages, page_size, D] the pools, updated in place (donated).
     page_table: [B, max_pages] int32; the pages holding each sequence's tokens.
     lengths: [B] int32 tokens per sequence with the new one (>= 1).
@@ -204,25 +231,34 @@ def paged_attention_append(qkv, k_pages, v_pages, page_table, lengths, write_pag
     window: static sliding window, as in paged_attention.
     prior: None, or each row's attention over keys outside its table to include (cascade
       decode's shared prefix; see paged_attention_append_parts).
+    prep, prep_ops: static kernels.qk_prep.QKPrep and its PrepOperands, to norm and rotate
+      the queries and new keys in the kernel (see paged_attention_append_parts).
 
   Returns:
     (out [B, Hq, D] in qkv's dtype, lse [B, Hq] float32, k_pages, v_pages).
   """
   return paged_attention_append_parts(qkv, k_pages, v_pages, page_table, lengths,
                                       write_page, write_slot, config, window,
-                                      out_dtype=qkv.dtype, prior=prior)
+                                      out_dtype=qkv.dtype, prior=prior, prep=prep,
+                                      prep_ops=prep_ops)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
 def paged_attention_append_reference(qkv, k_pages, v_pages, page_table, lengths,
-                                     write_page, write_slot, window=None):
-  """float32 reference: the write as a scatter, then paged attention's reference.
+                                     write_page, write_slot, window=None, prep=None,
+                                     prep_ops=None):
+  """float32 reference: the write as a scatter, then paged attention's reference (with
+  `prep`, the queries and keys normed and rotated first, qk_prep.prepare_reference, the
+  queries then rounded to qkv's dtype as the kernel and the model's own path round them).
   Returns (out [B, Hq, D] f32, lse [B, Hq] f32, k_pages, v_pages)."""
   hkv = k_pages.shape[0]
   hq = qkv.shape[1] - 2 * hkv
   q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+  if prep is not None:  # The kernel attends with the prepared queries in qkv's dtype.
+    q, k = qk_prep.prepare_pair(q, k, prep, prep_ops)
+    q = q.astype(qkv.dtype)
   k_pages = k_pages.at[:, write_page, write_slot].set(
       jnp.swapaxes(k, 0, 1).astype(k_pages.dtype))
   v_pages = v_pages.at[:, write_page, write_slot].set(

@@ -45,7 +45,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxrl_post.kernels import qk_prep
 from jaxrl_post.kernels.platform import kernel_platform
+from jaxrl_post.kernels.qk_prep import prepared_rows, scale_halves
 
 # Large finite negative for masked scores: exp() of it underflows to exactly 0 without
 # producing inf - inf = NaN in the running-max update.
@@ -415,19 +417,32 @@ def paged_attention_parts(q, k_pages, v_pages, page_table, lengths, config, wind
   return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-def _block_kernel_triton(qkv_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref, *,
-                         sm_scale, pages_per_block, pages_per_split, rows, groups):
+def _block_kernel_triton(qkv_ref, k_ref, v_ref, pt_ref, len_ref, *refs, sm_scale,
+                         pages_per_block, pages_per_split, rows, groups, prep=None):
   """One (block of rows, KV head, context split) of cascade's shared prefix: qkv_ref
   [Rp, Hq + 2 Hkv, D] the block's rows (the first `rows` real), of which the head's
-  `groups` queries of each row are read and attended as one [Rp * Gp, D] matrix."""
+  `groups` queries of each row are read and attended as one [Rp * Gp, D] matrix. With
+  `prep`, refs start with the rows' RoPE tables [Rp, D/2] x2 and the q norm's scale [D]
+  (and the k norm's, unused), and the queries are normed and rotated as they are read."""
+  *prep_refs, o_ref, lse_ref = refs
   page_size = k_ref.shape[1]
   length = len_ref[0]
   first, num_blocks = _split_pages(pl.program_id(2), length, page_size, pages_per_split,
                                    pages_per_block)
   rp, gp, d = o_ref.shape
   real = (jnp.arange(rp) < rows)[:, None] & (jnp.arange(gp) < groups)[None, :]
-  heads = qkv_ref.at[:, pl.ds(pl.program_id(1) * groups, gp), :]
-  q = pltriton.load(heads, mask=real[:, :, None], other=0).reshape(rp * gp, d)
+  cols = lambda c: qkv_ref.at[:, pl.ds(pl.program_id(1) * groups, gp), c]
+  if prep is None:
+    q = pltriton.load(cols(slice(None)), mask=real[:, :, None], other=0).reshape(rp * gp, d)
+  else:
+    half, live = d // 2, (jnp.arange(rp) < rows)[:, None]
+    per_query = lambda t: jnp.broadcast_to(
+        pltriton.load(t, mask=live, other=0)[:, None, :], (rp, gp, half)).reshape(-1, half)
+    scale = None if prep.norm_eps is None else scale_halves(prep, prep_refs[2], half)
+    q = prepared_rows(
+        lambda c: pltriton.load(cols(c), mask=real[:, :, None], other=0).reshape(-1, half),
+        d, per_query(prep_refs[0]), per_query(prep_refs[1]), scale, prep.norm_eps,
+        qkv_ref.dtype)
   carry = _fold_pages(q, k_ref, v_ref, pt_ref, _empty_carry(rp * gp, d), first, num_blocks,
                       pages_per_block, sm_scale, lambda pos: pos < length)
   out, lse = _finish(*carry)
@@ -435,7 +450,8 @@ def _block_kernel_triton(qkv_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, lse_ref,
   pltriton.store(lse_ref, lse.reshape(rp, gp), mask=real)
 
 
-def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_lengths, config):
+def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_lengths, config,
+                                prep=None, prep_ops=None):
   """Cascade decode's shared prefix on a GPU: each block of R = B / Gb rows attends to its
   block's pages, which are read once per block and KV head for all its rows' queries.
 
@@ -448,6 +464,7 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
   into its own softmax (kernels.paged_append's `prior`). The queries are read where the
   rows hold them (no grouped copy is made); Triton needs power-of-two blocks, so R
   and G are padded to powers of two under a mask, at least 16 query rows a program.
+  prep, prep_ops: as in kernels.paged_append (the queries normed and rotated as read).
   """
   b, heads, d = qkv.shape
   hkv, num_pages, page_size, dk = k_pages.shape
@@ -458,6 +475,8 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
   if b % blocks or block_lengths.shape != (blocks,):
     raise ValueError(f"{b} rows do not make blocks of block_table {block_table.shape} / "
                      f"block_lengths {block_lengths.shape}")
+  if prep is not None:
+    qk_prep.check(prep, prep_ops, b, d)
   backend, interpret = resolve_backend(config.backend, config.interpret)
   if backend != "triton":
     raise ValueError(f"the block prefix kernel is a Triton kernel, not {backend!r}")
@@ -470,7 +489,13 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
   table = jnp.pad(table, ((0, 0), (0, splits * pps - table.shape[1])))
   lengths = jnp.clip(block_lengths.astype(jnp.int32), 0, block_table.shape[1] * page_size)
   kernel = functools.partial(_block_kernel_triton, sm_scale=1.0 / math.sqrt(d),
-                             pages_per_block=ppb, pages_per_split=pps, rows=r, groups=g)
+                             pages_per_block=ppb, pages_per_split=pps, rows=r, groups=g,
+                             prep=prep)
+  by_block = lambda t: t.reshape(blocks, r, *t.shape[1:])  # the rows' tables, per block
+  prep_specs, prep_args = qk_prep.block_specs(
+      prep, prep_ops and prep_ops._replace(cos=by_block(prep_ops.cos),
+                                           sin=by_block(prep_ops.sin)),
+      d, (None, rp), lambda i, h, s: (i, 0, 0))
   pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, s: (h, 0, 0, 0))
   out, lse = pl.pallas_call(
       kernel,
@@ -478,7 +503,7 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
       in_specs=[pl.BlockSpec((None, rp, heads, d), lambda i, h, s: (i, 0, 0, 0)),
                 pool_spec, pool_spec,
                 pl.BlockSpec((None, splits * pps), lambda i, h, s: (i, 0)),
-                pl.BlockSpec((1,), lambda i, h, s: (i,))],
+                pl.BlockSpec((1,), lambda i, h, s: (i,)), *prep_specs],
       out_specs=[
           pl.BlockSpec((None, None, rp, None, gp, d), lambda i, h, s: (s, i, 0, h, 0, 0)),
           pl.BlockSpec((None, None, rp, None, gp), lambda i, h, s: (s, i, 0, h, 0))],
@@ -490,7 +515,7 @@ def paged_attention_block_parts(qkv, k_pages, v_pages, block_table, block_length
       cost_estimate=_cost(jax.ShapeDtypeStruct((blocks, hkv, r * g, d), qkv.dtype),
                           k_pages, table.shape[1]),
       name="paged_attention_blocks_triton",
-  )(qkv.reshape(blocks, r, heads, d), k_pages, v_pages, table, lengths)
+  )(qkv.reshape(blocks, r, heads, d), k_pages, v_pages, table, lengths, *prep_args)
   return out.reshape(splits, b, hkv, g, d), lse.reshape(splits, b, hkv, g)
 
 

@@ -94,10 +94,22 @@ def bench_paged(args, rng) -> dict:
   return result | bandwidth(kv_bytes + 2 * q.nbytes, result["kernel_ms"])
 
 
+def rope_prep(args, rng, batch):
+  """(QKPrep, PrepOperands): RoPE at random positions, applied in the decode kernels to
+  the queries and new keys they read, as the engine's decode step has them do."""
+  from jaxrl_post.kernels.qk_prep import PrepOperands, QKPrep
+  angles = rng.integers(0, 8192, (batch, 1)) * 500000.0 ** (
+      -np.arange(args.head_dim // 2) / (args.head_dim // 2))
+  return QKPrep(), PrepOperands(jnp.asarray(np.cos(angles), jnp.float32),
+                                jnp.asarray(np.sin(angles), jnp.float32))
+
+
 def bench_append(args, rng) -> dict:
   """The GPU decode step's attention: the new token's K/V written inside the kernel
   (kernels.paged_append), against the scatter then paged_attention it replaces, both
-  updating donated pools in place as the engine's step does."""
+  updating donated pools in place as the engine's step does; and the kernel rotating the
+  queries and new keys itself (RoPE in the kernel, `kernel_with_rope_ms`), as the engine
+  calls it."""
   from jaxrl_post.kernels.paged_append import (paged_attention_append,
                                                paged_attention_append_reference)
   pages = args.context // args.page_size
@@ -118,12 +130,19 @@ def bench_append(args, rng) -> dict:
     v_pages = v_pages.at[:, page, slot].set(kv[args.kv_heads:])
     return kernels.paged_attention(q, k_pages, v_pages, table, lengths), k_pages, v_pages
 
-  fused = jax.jit(paged_attention_append, donate_argnums=(1, 2))
-  pools = {"fused": [k_pages, v_pages], "separate": [jnp.copy(k_pages), jnp.copy(v_pages)]}
+  fused = jax.jit(paged_attention_append, donate_argnums=(1, 2), static_argnames="prep")
+  prep, ops = rope_prep(args, rng, args.batch)
+  want_rope = jax.jit(paged_attention_append_reference, static_argnames="prep")(
+      qkv, k_pages, v_pages, table, lengths, page, slot, prep=prep, prep_ops=ops)[0]
+  pools = {"fused": [k_pages, v_pages], "separate": [jnp.copy(k_pages), jnp.copy(v_pages)],
+           "rope": [jnp.copy(k_pages), jnp.copy(v_pages)]}
 
   def run(name):  # Each call takes the pools the previous one returned.
     if name == "fused":
       out, _, *pools[name] = fused(qkv, *pools[name], table, lengths, page, slot)
+    elif name == "rope":
+      out, _, *pools[name] = fused(qkv, *pools[name], table, lengths, page, slot, prep=prep,
+                                   prep_ops=ops)
     else:
       out, *pools[name] = separate(*pools[name])
     return out
@@ -132,7 +151,9 @@ def bench_append(args, rng) -> dict:
   separate_ms = median_ms(run, "separate", runs=args.runs, warmup=args.warmup)
   result = {"batch": args.batch, "context": context, "page_size": args.page_size,
             "kernel_ms": fused_ms, "write_then_attend_ms": separate_ms,
-            "max_abs_err": max_abs_err(run("fused"), want)}
+            "kernel_with_rope_ms": median_ms(run, "rope", runs=args.runs, warmup=args.warmup),
+            "max_abs_err": max_abs_err(run("fused"), want),
+            "max_abs_err_with_rope": max_abs_err(run("rope"), want_rope)}
   kv_bytes = 2 * args.batch * (context + 1) * args.kv_heads * args.head_dim * q.dtype.itemsize
   return result | bandwidth(kv_bytes + 2 * qkv.nbytes, fused_ms)
 

@@ -425,6 +425,41 @@ def qkv_before_rope(cfg: ModelConfig, x, p):  # -> 3 x [B, T, H, hd]
   return constrain(q, _HEADS), constrain(k, _KV_HEADS), constrain(v, _KV_HEADS)
 
 
+def qkv_side_by_side(cfg: ModelConfig, x, p, shards: int = 1):  # -> [B, T, Hq + 2 Hkv, hd]
+  """qkv_projection's q, k and v as one product's output, before Qwen3's q/k norms and
+  RoPE: for attention kernels that apply those as they read q and k (kernels.qk_prep)
+  and take q, k and v as one array. As three products (which XLA merges into one) they
+  were concatenated for such a kernel, a copy per layer; here the three weights are
+  side by side, which XLA reads in place inside the product's fusion.
+
+  shards: the tensor-parallel shards the heads are split over. Each shard's heads come
+  side by side (its q heads, then its k, then its v), so the shard's part of the heads
+  axis is its own q, k and v. Not for LoRA on wq/wk/wv, nor Gemma's query scale.
+  """
+  h = _norm(cfg, x, p["attn_norm"])
+  by_shard = lambda t, lead: t.astype(h.dtype).reshape(*lead, shards, -1)
+  names = ("wq", "wk", "wv")
+  w = jnp.concatenate([by_shard(p[n], p[n].shape[:1]) for n in names], axis=-1)
+  y = jnp.tensordot(h, w.reshape(w.shape[0], -1), axes=1)  # [B, T, shards * (...) * hd]
+  if cfg.qkv_bias:
+    y = y + jnp.concatenate([by_shard(p[n], ()) for n in ("bq", "bk", "bv")], -1).reshape(-1)
+  return constrain(y.reshape(*y.shape[:2], -1, cfg.head_dim), _HEADS)
+
+
+def qk_norm_weights(cfg: ModelConfig, p):  # -> (q_norm, k_norm) [hd], or Nones
+  """Qwen3's q and k norm weights, for a kernel that norms q and k itself (with
+  rms_norm_eps and norm_plus_one), or (None, None) for a model without q/k norms."""
+  return (p["q_norm"], p["k_norm"]) if cfg.qk_norm else (None, None)
+
+
+def rope_tables_at(cfg: ModelConfig, positions):  # [...] -> cos, sin [..., hd/2] float32
+  """RoPE's tables at `positions`, for a model whose layers share one RoPE base (not
+  Gemma 3's mixed layers)."""
+  if cfg.rope_local_base_freq is not None and cfg.any_window:
+    raise ValueError("the model's layers rotate with two RoPE bases: tables per layer")
+  return L.rope_tables(positions, _rope_inv_freq(cfg, None))
+
+
 def _rope_tables(cfg: ModelConfig, positions, dtype, layer=None):  # -> cos, sin [B, T, hd/2]
   """The RoPE tables qkv_projection rotates with, in `dtype` (as it casts them)."""
   return tuple(t.astype(dtype) for t in L.rope_tables(positions, _rope_inv_freq(cfg, layer)))

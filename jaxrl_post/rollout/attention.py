@@ -19,7 +19,8 @@ pages some query's window spans), on the CPU the jnp path gathers them.
 On a GPU the decode step's K/V write runs inside the attention kernel
 (`paged_decode_append`, `cascade_decode_append`: kernels.paged_append), so a layer's
 attention is one launch rather than two scatters and the kernel; a TPU writes with
-kernels.kv_write and a CPU with a scatter, then attend.
+kernels.kv_write and a CPU with a scatter, then attend. Those kernels can also norm and
+rotate q and k as they read them (their `prep`; rollout.forward.prepares_in_kernel).
 
 Cascade decode (`cascade_decode_attention`) is the same split for blocks of slots that
 decode samples of one prompt: the block's shared prompt pages are read once for all its
@@ -100,25 +101,31 @@ def appends_in_kernel(k_pool, logit_cap=None) -> bool:
   return target_platform() == "gpu" and use_kernel_default(k_pool) and logit_cap is None
 
 
-def paged_decode_append(q, k, v, k_pool, v_pool, layer, pages, slots, page_table, lengths,
-                        sliding_window=None):
+def side_by_side(q, k, v):  # [B, Hq, D], [B, Hkv, D] x2 -> [B, Hq + 2 Hkv, D]
+  """q, k and v as the append kernels take them: one array, which XLA builds in the same
+  fusion as their RoPE."""
+  return jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+
+
+def paged_decode_append(qkv, k_pool, v_pool, layer, pages, slots, page_table, lengths,
+                        sliding_window=None, prep=None, prep_ops=None):
   """Writes each row's new K/V at (pages, slots) of `layer` and attends over its tokens,
   the new one included, in one kernel (kernels.paged_append): the decode step's write and
-  `paged_decode_attention` without the scatters' launches. q, k and v go to the kernel
-  side by side, one array, which XLA builds in the same fusion as their RoPE.
+  `paged_decode_attention` without the scatters' launches.
 
-  q [B, Hq, D]; k, v [B, Hkv, D]; pages, slots [B] int32 (page 0, the sink, for rows whose
-  output is unused); lengths [B] with the new token. Returns (attn [B, Hq, D] in q's dtype,
-  k_pool, v_pool).
+  qkv [B, Hq + 2 Hkv, D] (`side_by_side`; with prep, a kernels.qk_prep.QKPrep, and its
+  operands, q and k before their norms and RoPE, which the kernel applies); pages, slots
+  [B] int32 (page 0, the sink, for rows whose output is unused); lengths [B] with the new
+  token. Returns (attn [B, Hq, D] in qkv's dtype, k_pool, v_pool).
   """
   (kf, offset), (vf, _) = _flat(k_pool, layer), _flat(v_pool, layer)
   if sliding_window is not None:
     page_table, first = _window_pages(page_table, lengths, sliding_window, k_pool.shape[3])
     lengths = lengths - first * k_pool.shape[3]
-  qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
   out, _, kf, vf = paged_attention_append_parts(
       qkv, kf, vf, page_table + offset, lengths, pages + offset, slots,
-      PagedAttentionConfig(), sliding_window, out_dtype=q.dtype)
+      PagedAttentionConfig(), sliding_window, out_dtype=qkv.dtype, prep=prep,
+      prep_ops=prep_ops)
   return out, kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
 
 
@@ -319,24 +326,24 @@ def _kernel_cascade(q, k_pool, v_pool, layer, shared, suffix_table, suffix_lengt
                            suffix_table + offset, suffix_lengths)
 
 
-def cascade_decode_append(q, k, v, k_pool, v_pool, layer, pages, slots, shared: SharedPrefix,
-                          suffix_table, suffix_lengths):
+def cascade_decode_append(qkv, k_pool, v_pool, layer, pages, slots, shared: SharedPrefix,
+                          suffix_table, suffix_lengths, prep=None, prep_ops=None):
   """cascade_decode_attention with the new K/V written by its suffix part's kernel
   (kernels.paged_append), as paged_decode_append does for plain decode: the block's
   prompt pages, which no row writes, are read first (kernels.paged_attention's
-  paged_attention_block_parts), then each row's own pages and its new token. Returns
-  (attn [B, Hq, D] in q's dtype, k_pool, v_pool)."""
+  paged_attention_block_parts), then each row's own pages and its new token. qkv, prep
+  and prep_ops as in paged_decode_append. Returns (attn [B, Hq, D] in qkv's dtype,
+  k_pool, v_pool)."""
   (kf, offset), (vf, _) = _flat(k_pool, layer), _flat(v_pool, layer)
   config = PagedAttentionConfig()
   # Both kernels read the queries from the one q/k/v array, and the prefix kernel's
   # context splits go to the suffix kernel unmerged: it folds them into its own softmax,
   # so the two kernels are the layer's whole attention.
-  qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
   prior = paged_attention_block_parts(qkv, kf, vf, shared.table + offset, shared.lengths,
-                                      config)
+                                      config, prep, prep_ops)
   out, _, kf, vf = paged_attention_append_parts(
       qkv, kf, vf, suffix_table + offset, suffix_lengths, pages + offset, slots, config,
-      out_dtype=q.dtype, prior=prior)
+      out_dtype=qkv.dtype, prior=prior, prep=prep, prep_ops=prep_ops)
   return out, kf.reshape(k_pool.shape), vf.reshape(v_pool.shape)
 
 

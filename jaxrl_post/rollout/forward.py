@@ -3,6 +3,10 @@
 Each layer is the model's own maths -- `qkv_projection` and `post_attention` from
 jaxrl_post.models.transformer -- with the attention swapped for the paged one, so a model
 change (biases, LoRA, RoPE scaling) reaches the rollout without a second implementation.
+On a GPU a decode layer takes q, k and v from the model's `qkv_side_by_side` instead
+(one product's output before the q/k norms and RoPE), and the attention kernels apply
+the norms and RoPE as they read them (`prepares_in_kernel`): no launch writes the normed
+and rotated q and k in between.
 Within a layer the new tokens' K/V are written before attending, so a token sees itself
 (on a GPU a decode step's write runs inside the attention kernel, rollout.attention).
 Layers run under lax.scan with the pool in the carry: the scatter of the new K/V then
@@ -30,12 +34,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_post.models import layers as L
+from jaxrl_post.kernels.qk_prep import PrepOperands, QKPrep
 from jaxrl_post.models.transformer import (Transformer, layer_ids, post_attention,
-                                           qkv_projection)
+                                           qk_norm_weights, qkv_projection, qkv_side_by_side,
+                                           rope_tables_at)
 from jaxrl_post.rollout.attention import (SharedPrefix, appends_in_kernel,
                                           cascade_decode_append, cascade_decode_attention,
-                                          paged_decode_append,
-                                          paged_decode_attention, paged_prefill_attention)
+                                          paged_decode_append, paged_decode_attention,
+                                          paged_prefill_attention, side_by_side)
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.pages import TRASH_PAGE, KVPool
 from jaxrl_post.rollout.prefill_pack import PackedRows
@@ -108,10 +114,11 @@ def _target_pages(page_table, page_index, valid):  # [B, M], [B, T], [B, T] -> [
 
 
 def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write,
-                layers=None, adapters=None):
+                layers=None, adapters=None, project=None):
   """Runs the layers over x [B, T, D] at positions [B, T].
 
-  attend_and_write(pool, layer, q, k, v) stores the new K/V and returns (attn, pool).
+  attend_and_write(pool, layer, *project(x, p, layer)) stores the new K/V and returns
+  (attn, pool); project defaults to qkv_projection's q, k and v.
   `layers` None scans the model's stacked layers; a tuple of per-layer weight dicts
   (rollout.weights) unrolls them, so each matmul reads its layer's buffer in place.
   `adapters` [B, T] int32: each token's adapter, for a model holding several
@@ -127,8 +134,11 @@ def _run_layers(model: Transformer, pool: KVPool, x, positions, attend_and_write
     p, layer = layer_in
     if adapters is not None:
       p = {**p, "lora_adapter": adapters}
-    q, k, v = qkv_projection(cfg, x, p, positions, layer)
-    attn, pool = attend_and_write(pool, layer, q, k, v)
+    if project is None:
+      projected = qkv_projection(cfg, x, p, positions, layer)
+    else:
+      projected = project(x, p, layer)
+    attn, pool = attend_and_write(pool, layer, *projected)
     x, routing = post_attention(cfg, x, p, attn)
     return (x, pool), None if routing is None else routing.experts
 
@@ -166,11 +176,12 @@ def cascade_refusal(cfg) -> str | None:
 
 
 def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active,
-                  shared: SharedPrefix | None, window_map=None):
+                  shared: SharedPrefix | None, window_map=None, prep=None):
   """One device's decode write + attention over its slots and pages (ids shard-local).
 
-  q [B, Hq, D], k/v [B, Hkv, D]; every other operand as in `decode_step`. Returns
-  (attn [B, Hq, D], pool).
+  q [B, Hq, D], k/v [B, Hkv, D]; or with `prep` ((QKPrep, PrepOperands): the kernels
+  norm and rotate q and k) q is the layer's [B, Hq + 2 Hkv, D] and k, v are None. Every
+  other operand as in `decode_step`. Returns (attn [B, Hq, D], pool).
   """
   ps = pool.k.shape[3]
   table_start = 0  # Position of each row's first page-table token.
@@ -186,9 +197,11 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   pages = _target_pages(page_table, page_index[:, None], active[:, None])[:, 0]
   # Keys each row attends over in its table, the new one included.
   seen = lengths + 1 if shared is None else jnp.where(active, lengths + 1 - table_start, 0)
-  if pool.wk is None and appends_in_kernel(pool.k, cfg.attn_logit_softcapping):
-    return _append_local(cfg, pool, layer, q, k, v, pages, lengths % ps, page_table, seen,
-                         shared)
+  if prep is not None or (pool.wk is None and
+                          appends_in_kernel(pool.k, cfg.attn_logit_softcapping)):
+    qkv = q if prep is not None else side_by_side(q, k, v)
+    return _append_local(cfg, pool, layer, qkv, pages, lengths % ps, page_table, seen,
+                         shared, prep)
   pool = _write(cfg, pool, window_map, layer, pages, lengths % ps, k, v)
   if shared is None:
     attn = _attend(cfg, paged_decode_attention, window_map, layer, q, pool, page_table, seen)
@@ -197,18 +210,19 @@ def _decode_local(cfg, pool: KVPool, layer, q, k, v, page_table, lengths, active
   return attn, pool
 
 
-def _append_local(cfg, pool: KVPool, layer, q, k, v, pages, slots, page_table, seen,
-                  shared: SharedPrefix | None):
+def _append_local(cfg, pool: KVPool, layer, qkv, pages, slots, page_table, seen,
+                  shared: SharedPrefix | None, prep=None):
   """_decode_local on a GPU: the K/V write inside the attention kernel (rollout.attention's
   *_append), for plain and cascade attention alike."""
+  prep, ops = prep if prep is not None else (None, None)
   if shared is None:
-    attend = L.per_layer(cfg, lambda window: functools.partial(paged_decode_append,
-                                                               sliding_window=window))
-    attn, k_pool, v_pool = attend(layer, q, k, v, pool.k, pool.v, layer, pages, slots,
+    attend = L.per_layer(cfg, lambda window: functools.partial(
+        paged_decode_append, sliding_window=window, prep=prep, prep_ops=ops))
+    attn, k_pool, v_pool = attend(layer, qkv, pool.k, pool.v, layer, pages, slots,
                                   page_table, seen)
   else:
-    attn, k_pool, v_pool = cascade_decode_append(q, k, v, pool.k, pool.v, layer, pages,
-                                                 slots, shared, page_table, seen)
+    attn, k_pool, v_pool = cascade_decode_append(qkv, pool.k, pool.v, layer, pages, slots,
+                                                 shared, page_table, seen, prep, ops)
   return attn, KVPool(k_pool, v_pool)
 
 
@@ -243,6 +257,71 @@ def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
   return attend
 
 
+def prepares_in_kernel(cfg, layout: RolloutLayout, pool: KVPool) -> bool:
+  """Whether a decode step hands its attention kernels q, k and v as one product's output,
+  before Qwen3's q/k norms and RoPE, which the kernels apply as they read them
+  (kernels.qk_prep): where the K/V write runs in the kernel (a GPU, one pool), the layers
+  share one RoPE base, no query scale follows RoPE (Gemma), no LoRA adapts wq/wk/wv, and
+  each tensor shard holds its own KV heads. A layer is then a launch shorter (two more
+  with q/k norms): nothing writes the normed and rotated q and k before the kernel."""
+  if pool.wk is not None or not appends_in_kernel(pool.k, cfg.attn_logit_softcapping):
+    return False
+  if cfg.rope_local_base_freq is not None and cfg.any_window:
+    return False
+  if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+    return False
+  if cfg.lora is not None and set(cfg.lora.targets) & {"wq", "wk", "wv"}:
+    return False
+  if layout.kv_axis is None and layout.mesh.shape["tensor"] > 1:
+    return False
+  # The product reads the three weights side by side, as XLA's dot merger makes it of
+  # three products where one of them is small (xla_gpu_dot_merger_threshold_mb, 32):
+  # beyond that a GEMM library could take the product, and the weights be copied per step.
+  shards = layout.mesh.shape["tensor"]
+  wk_bytes = cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim // shards * \
+      jnp.dtype(cfg.compute_dtype).itemsize
+  return wk_bytes <= _DOT_MERGER_BYTES
+
+
+_DOT_MERGER_BYTES = 32 << 20
+
+
+def _prepared_decode(layout: RolloutLayout, cfg, page_table, lengths, active,
+                     shared: SharedPrefix | None):
+  """(project, attend_and_write) for `_run_layers` where prepares_in_kernel: each layer's
+  q, k and v leave one product side by side, and the kernels norm and rotate them with
+  the step's RoPE tables, made once for every layer."""
+  rows = layout.rows_spec
+  heads = layout.heads_spec(3)
+  shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
+  norm = QKPrep(norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+                norm_plus_one=cfg.norm_plus_one)
+  scales = (P(), P()) if cfg.qk_norm else ()
+  ops_specs = PrepOperands(rows(2), rows(2), *scales)
+  specs = pool_specs(layout, False)
+
+  def local_fn(pool, layer, qkv, table, lens, act, ops, *sh):
+    return _decode_local(cfg, pool, layer, qkv, None, None, table, lens, act,
+                         sh[0] if sh else None, prep=(norm, ops))
+
+  local = layout.per_device(
+      local_fn, in_specs=(specs, P(), heads, rows(2), rows(1), rows(1), ops_specs,
+                          *shared_specs), out_specs=(heads, specs))
+  cos, sin = rope_tables_at(cfg, lengths)  # [B, hd/2] each
+  extra = () if shared is None else (shared,)
+  shards = layout.mesh.shape["tensor"] if layout.kv_axis else 1
+
+  def project(x, p, layer):
+    return qkv_side_by_side(cfg, x, p, shards), *qk_norm_weights(cfg, p)
+
+  def attend(pool, layer, qkv, q_scale, k_scale):  # qkv [B, 1, Hq + 2 Hkv, D]
+    ops = PrepOperands(cos, sin, q_scale, k_scale)
+    attn, pool = local(pool, layer, qkv[:, 0], page_table, lengths, active, ops, *extra)
+    return attn[:, None], pool
+
+  return project, attend
+
+
 def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, active,
                 shared: SharedPrefix | None = None, layout: RolloutLayout | None = None,
                 layers=None, window_map=None, adapters=None):
@@ -271,10 +350,16 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   """
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
-  attend = _decode_attention(layout, model.config, page_table, lengths, active, shared,
-                             window_map)
+  project = None
+  if prepares_in_kernel(model.config, layout, pool):
+    project, attend = _prepared_decode(layout, model.config, page_table, lengths, active,
+                                       shared)
+  else:
+    attend = _decode_attention(layout, model.config, page_table, lengths, active, shared,
+                               window_map)
   rows = None if adapters is None else adapters[:, None]
-  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers, rows)
+  x, pool, experts = _run_layers(model, pool, x, lengths[:, None], attend, layers, rows,
+                                 project)
   return _final_logits(model, x[:, 0]), pool, None if experts is None else experts[:, 0]
 
 

@@ -10,15 +10,30 @@ import pytest
 from jaxrl_post.kernels.paged_append import (paged_attention_append,
                                              paged_attention_append_reference)
 from jaxrl_post.kernels.paged_attention import PagedAttentionConfig
+from jaxrl_post.kernels.qk_prep import PrepOperands, QKPrep, prepare_pair
 from tests.kernels.helpers import assert_close, page_tables, random_pool
 
 D = 16
 MAX_PAGES = 4
-reference = jax.jit(paged_attention_append_reference, static_argnames=("window",))
+reference = jax.jit(paged_attention_append_reference, static_argnames=("window", "prep"))
+
+
+def prep_case(rng, b, norm: str):
+  """A QKPrep and its operands: RoPE tables at random positions, and for "norm" (w) or
+  "norm1" (1 + w) random norm weights."""
+  positions = rng.integers(0, 4096, size=(b, 1))
+  angles = positions * 10000.0 ** (-np.arange(D // 2) / (D // 2))
+  ops = PrepOperands(jnp.asarray(np.cos(angles), jnp.float32),
+                     jnp.asarray(np.sin(angles), jnp.float32))
+  if norm == "rope":
+    return QKPrep(), ops
+  weight = lambda: jnp.asarray(rng.uniform(0.5, 1.5, size=D), jnp.bfloat16)
+  prep = QKPrep(norm_eps=1e-6, norm_plus_one=norm == "norm1")
+  return prep, ops._replace(q_scale=weight(), k_scale=weight())
 
 
 def run_case(hq, hkv, page_size, dtype, lengths, seed=0, window=None, sink_rows=(),
-             **config):
+             prep=None, **config):
   rng = np.random.default_rng(seed)
   b = len(lengths)
   num_pages = b * MAX_PAGES + 2
@@ -32,16 +47,20 @@ def run_case(hq, hkv, page_size, dtype, lengths, seed=0, window=None, sink_rows=
   args = (jnp.asarray(rng.normal(size=(b, hq + 2 * hkv, D)), dtype),)
   tail = (table, jnp.asarray(lengths), jnp.asarray(write_page, jnp.int32),
           jnp.asarray((lengths - 1) % page_size, jnp.int32))
-  want = reference(*args, k_pages, v_pages, *tail, window=window)
+  prep, ops = (None, None) if prep is None else prep_case(rng, b, prep)
+  want = reference(*args, k_pages, v_pages, *tail, window=window, prep=prep, prep_ops=ops)
   cfg = PagedAttentionConfig(backend="triton", **config)
   out, lse, k_got, v_got = paged_attention_append(*args, k_pages, v_pages, *tail, config=cfg,
-                                                  window=window)
+                                                  window=window, prep=prep, prep_ops=ops)
   live = np.asarray([i not in sink_rows for i in range(b)])
   assert out.dtype == dtype and out.shape == (b, hq, D)
   assert_close(np.asarray(out)[live], np.asarray(want[0])[live], dtype)
   assert_close(np.asarray(lse)[live], np.asarray(want[1])[live], jnp.float32)
   pages = [p for p in range(num_pages) if p != 0 or not sink_rows]  # the sink: any row's
-  np.testing.assert_array_equal(np.asarray(k_got)[:, pages], np.asarray(want[2])[:, pages])
+  if prep is None:
+    np.testing.assert_array_equal(np.asarray(k_got)[:, pages], np.asarray(want[2])[:, pages])
+  else:  # The new keys normed and rotated in float32 in both, summed in other orders.
+    assert_close(np.asarray(k_got)[:, pages], np.asarray(want[2])[:, pages], dtype)
   np.testing.assert_array_equal(np.asarray(v_got)[:, pages], np.asarray(want[3])[:, pages])
 
 
@@ -59,6 +78,18 @@ def test_matches_the_write_then_attention(dtype, page_size, group, splits):
            num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype,prep,splits", [(F32, "rope", 1), (BF16, "rope", 2),
+                                               (F32, "norm", 2), (BF16, "norm1", 1)])
+def test_queries_and_the_new_key_normed_and_rotated_in_the_kernel(dtype, prep, splits):
+  """qkv as the projection leaves it: the kernel applies Qwen3's q/k norm (with "norm",
+  or in Gemma's 1 + w form) and RoPE to the queries and the new key as it reads them,
+  and writes the rotated key."""
+  page_size = 8
+  lengths = [1, MAX_PAGES * page_size, page_size + 1, 2 * page_size, 3 * page_size - 3]
+  run_case(4, 2, page_size, dtype, lengths, prep=prep, block_kv=2 * page_size,
+           num_splits=splits)
+
+
 def test_sliding_window_and_sink_rows():
   """A window of 11 over pages of 8 (the new key always inside it), three splits, and two
   rows writing to the shared sink page whose outputs are ignored."""
@@ -66,14 +97,16 @@ def test_sliding_window_and_sink_rows():
            sink_rows=(1, 4))
 
 
-@pytest.mark.parametrize("dtype,prefix_splits,suffix_splits", [
-    (F32, 2, 1), (BF16, 2, 2), (F32, 1, 2)])
+@pytest.mark.parametrize("dtype,prefix_splits,suffix_splits,prep", [
+    (F32, 2, 1, None), (BF16, 2, 2, None), (F32, 1, 2, None), (F32, 2, 1, "norm"),
+    (BF16, 1, 2, "rope")])
 def test_a_prior_prefix_is_folded_in_as_cascade_merges_it(dtype, prefix_splits,
-                                                          suffix_splits):
+                                                          suffix_splits, prep):
   """Cascade decode: two blocks of three rows (not a power of two: padded in the prefix
   kernel), each block sharing prompt pages (the second none at all: its rows attend only
   to their own), the prefix kernel's splits handed over unmerged. The answer is the
-  prefix's and the suffix's attention merged."""
+  prefix's and the suffix's attention merged. With `prep` both kernels norm and rotate
+  the queries they read (and the suffix kernel the new key)."""
   from jaxrl_post.kernels.paged_attention import (merge_attention_parts,
                                                   paged_attention_block_parts,
                                                   paged_attention_with_lse_reference)
@@ -94,22 +127,30 @@ def test_a_prior_prefix_is_folded_in_as_cascade_merges_it(dtype, prefix_splits,
   tail = (table, jnp.asarray(lengths), jnp.asarray(write_page, jnp.int32),
           jnp.asarray((lengths - 1) % ps, jnp.int32))
 
-  suf_out, suf_lse, k_want, v_want = reference(qkv, k_pages, v_pages, *tail)
+  prep, ops = (None, None) if prep is None else prep_case(rng, b, prep)
+  suf_out, suf_lse, k_want, v_want = reference(qkv, k_pages, v_pages, *tail, prep=prep,
+                                               prep_ops=ops)
+  queries = qkv[:, :hq]
+  if prep is not None:
+    queries = prepare_pair(queries, qkv[:, hq:hq + hkv], prep, ops)[0].astype(dtype)
   pre_out, pre_lse = paged_attention_with_lse_reference(
-      qkv[:, :hq].astype(jnp.float32), k_pages, v_pages,
+      queries.astype(jnp.float32), k_pages, v_pages,
       jnp.repeat(prefix_table, rows, axis=0), jnp.repeat(prefix_lengths, rows))
   want_out, want_lse = merge_attention_parts(jnp.stack([pre_out, suf_out]),
                                              jnp.stack([pre_lse, suf_lse]))
 
   cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=prefix_splits)
   prior = paged_attention_block_parts(qkv, k_pages, v_pages, prefix_table, prefix_lengths,
-                                      cfg)
+                                      cfg, prep, ops)
   assert prior[0].shape == (prefix_splits, b, hkv, hq // hkv, D)
   cfg = PagedAttentionConfig(backend="triton", block_kv=ps, num_splits=suffix_splits)
   out, lse, k_got, v_got = paged_attention_append(qkv, k_pages, v_pages, *tail, config=cfg,
-                                                  prior=prior)
+                                                  prior=prior, prep=prep, prep_ops=ops)
   assert out.dtype == dtype
   assert_close(out, want_out, dtype)
   assert_close(lse, want_lse, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want))
+  if prep is None:
+    np.testing.assert_array_equal(np.asarray(k_got), np.asarray(k_want))
+  else:
+    assert_close(np.asarray(k_got), np.asarray(k_want), dtype)
   np.testing.assert_array_equal(np.asarray(v_got), np.asarray(v_want))

@@ -205,3 +205,22 @@ def test_grouped_lora_layout_computes_what_the_per_matrix_one_does(adapters):
   broken = {**grouped, "wk_lora_b_padded": jnp.zeros_like(grouped["wk_lora_b_padded"])}
   assert not np.allclose(qkv_projection(cfg, x, broken, pos)[1],
                          qkv_projection(cfg, x, p, pos)[1], atol=TOL)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_side_by_side_product_is_q_k_and_v_of_each_shard(shards):
+  """qkv_side_by_side (the GPU decode's one product, before q/k norms and RoPE, which its
+  kernels apply) holds qkv_projection's q, k and v before those: each tensor shard's
+  heads side by side, so the shard's part of the heads axis is its own q, k and v."""
+  from jaxrl_post.models.transformer import qkv_before_rope, qkv_side_by_side
+  cfg = tiny(qkv_bias=True)
+  p = {n: w[0] for n, w in init_model(cfg, seed=5).layers.stacked().items()}
+  rng = np.random.default_rng(5)
+  p.update({n: jnp.asarray(rng.normal(0, 0.5, p[n].shape), p[n].dtype)
+            for n in ("bq", "bk", "bv")})
+  x = jnp.asarray(rng.normal(0, 1, (3, 5, 32)), jnp.float32)
+  hq, hkv = cfg.num_heads // shards, cfg.num_kv_heads // shards
+  y = qkv_side_by_side(cfg, x, p, shards).reshape(3, 5, shards, hq + 2 * hkv, cfg.head_dim)
+  got = [y[:, :, :, :hq], y[:, :, :, hq:hq + hkv], y[:, :, :, hq + hkv:]]
+  for want, part in zip(qkv_before_rope(cfg, x, p), got):
+    np.testing.assert_allclose(part.reshape(want.shape), want, atol=TOL)

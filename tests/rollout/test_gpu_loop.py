@@ -80,25 +80,41 @@ def _full_forward_logprobs(model, temperature):
 
 def test_the_kernel_that_appends_kv_decodes_what_a_full_forward_computes(monkeypatch):
   """A GPU's decode step writes the new K/V inside the attention kernel
-  (kernels.paged_append); run here through the Pallas interpreter, every sampled token's
-  logprob is a full forward's over the same tokens: plain, with a sliding window (7 keys
-  over pages of 4), and cascade (blocks of 2 samples sharing their prompt's pages), with
-  slots finishing and refilling mid-call."""
+  (kernels.paged_append), and there norms and rotates q and k as it reads them from the
+  layer's one Q/K/V product (kernels.qk_prep). Run here through the Pallas interpreter,
+  every sampled token's logprob is a full forward's over the same tokens: plain, with a
+  sliding window (7 keys over pages of 4), and cascade (blocks of 2 samples sharing their
+  prompt's pages), with slots finishing and refilling mid-call; a Qwen3-style model (q/k
+  norms, QKV biases) on 2 tensor shards, whose product lays each shard's q, k and v side
+  by side, and on 4, whose 2 KV heads do not divide them: its q, k and v come rotated
+  by XLA, as for a model whose layers the kernels cannot prepare."""
   from jaxrl_post.models.transformer import init_model
   from jaxrl_post.rollout import Engine, forward
+  from jaxrl_post.sharding import MeshConfig, make_mesh
 
   prompts = H.prompts(np.random.default_rng(3), [3, 9, 17])  # 6 rows in 4 slots
   sampling = SamplingParams(temperature=0.8, max_tokens=10)
   monkeypatch.setattr(forward, "appends_in_kernel", lambda *args: True)
+  prepared = []
+  monkeypatch.setattr(forward, "prepares_in_kernel",
+                      lambda *a, was=forward.prepares_in_kernel: prepared.append(was(*a))
+                      or prepared[-1])
+  qwen3 = dict(qk_norm=True, qkv_bias=True)
+  mesh = lambda tensor: make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor),
+                                  jax.devices()[:tensor])
+  cases = [(dict(), 0, None, True), (dict(sliding_window=7), 0, None, True),
+           (dict(), 2, None, True), (qwen3, 2, 2, True), (qwen3, 0, 4, False)]
   jax.clear_caches()  # Traced anew: a CPU's trace of the same shapes writes with a scatter.
   try:
-    for window, groups in ((None, 0), (7, 0), (None, 2)):
-      model = init_model(H.CFG.replace(head_dim=16, sliding_window=window),  # Triton's
-                         seed=1)  # smallest head_dim
-      engine = Engine.from_model(model, dataclasses.replace(H.ENGINE, group_slots=groups))
+    for extra, groups, tensor, prepares in cases:
+      model = init_model(H.CFG.replace(head_dim=16, **extra), seed=1)  # Triton's smallest
+      engine = Engine.from_model(model, dataclasses.replace(H.ENGINE, group_slots=groups),
+                                 mesh=None if tensor is None else mesh(tensor))
+      prepared.clear()
       full = _full_forward_logprobs(model, sampling.temperature)
       for prompt, samples in zip(prompts, generate(engine, prompts, n=2, sampling=sampling)):
         for c in samples:
           np.testing.assert_allclose(c.logprobs, full(prompt, c.tokens), atol=H.LOGPROB_TOL)
+      assert prepared and set(prepared) == {prepares}, (extra, tensor, prepared)
   finally:
     jax.clear_caches()
