@@ -213,7 +213,9 @@ def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
   assert out.returncode == 0, out.stderr[-2000:]
   result = json.loads(out.stdout)
   assert result["compiled_for"] == "target"
-  assert result["attention_backends"]["decode"] == "paged_attention triton"
+  # The quickstart decodes in cascade blocks: the prefix kernel, then the one appending K/V.
+  assert result["attention_backends"]["decode"] == ("paged_attention_append triton, "
+                                                    "paged_attention_blocks triton")
   kernels = result["decode_kernels_per_step"]  # Each layer's weights read in place.
   assert kernels["total"] > 0 and "slice_copy" not in kernels["by_kind"], kernels
   assert result["roofline_s"]["decode"]["kernels"] > 0  # each launch costs device time
