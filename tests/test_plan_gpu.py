@@ -112,8 +112,8 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   assert launches["split"]["flag_reads"] == 0 and "conditional" not in split, launches
   big = launches["big_pool"]
   assert big["remat"] == 0 and big["total"] == launches["split"]["total"], big
-  # 1.15x the base's bytes (whose q, k and v reach the kernels before RoPE, LoRA's after
-  # a fusion of their own); 1.41x with W copied beside A.
+  # 1.15x the base's bytes (the adapters' products and their sum, which the base's
+  # q, k and v do without); 1.41x with W copied beside A.
   lora = launches["lora"]
   assert lora["bytes"] <= 1.2 * launches["split"]["bytes"], (lora, launches["split"])
   assert "copy" not in lora["by_kind"] and lora["flag_reads"] == 0, lora

@@ -434,16 +434,47 @@ def qkv_side_by_side(cfg: ModelConfig, x, p, shards: int = 1):  # -> [B, T, Hq +
 
   shards: the tensor-parallel shards the heads are split over. Each shard's heads come
   side by side (its q heads, then its k, then its v), so the shard's part of the heads
-  axis is its own q, k and v. Not for LoRA on wq/wk/wv, nor Gemma's query scale.
+  axis is its own q, k and v. LoRA on wq, wk and wv needs all three adapted and laid out
+  by group_lora (their B's side by side too: one low-rank product); not for Gemma's
+  query scale.
   """
   h = _norm(cfg, x, p["attn_norm"])
-  by_shard = lambda t, lead: t.astype(h.dtype).reshape(*lead, shards, -1)
   names = ("wq", "wk", "wv")
-  w = jnp.concatenate([by_shard(p[n], p[n].shape[:1]) for n in names], axis=-1)
-  y = jnp.tensordot(h, w.reshape(w.shape[0], -1), axes=1)  # [B, T, shards * (...) * hd]
+  lead, d = h.shape[:2], h.shape[-1]
+  h = h.reshape(-1, d)
+  y = jnp.tensordot(h, _by_shard([p[n] for n in names], shards, h.dtype), axes=1)
   if cfg.qkv_bias:
-    y = y + jnp.concatenate([by_shard(p[n], ()) for n in ("bq", "bk", "bv")], -1).reshape(-1)
-  return constrain(y.reshape(*y.shape[:2], -1, cfg.head_dim), _HEADS)
+    y = y + _by_shard([p[n] for n in ("bq", "bk", "bv")], shards, h.dtype)
+  if _group_key(names) in p:
+    y = y + _side_by_side_delta(cfg, h.reshape(*lead, d), p, names, shards).reshape(y.shape)
+  elif any(f"{n}_lora_a" in p for n in names):
+    raise ValueError("qkv_side_by_side takes LoRA on all of wq, wk and wv, laid out by "
+                     "group_lora")
+  return constrain(y.reshape(*lead, -1, cfg.head_dim), _HEADS)
+
+
+def _by_shard(ts, shards: int, dtype):  # [..., H_i, hd] each -> [..., N]
+  """Arrays whose last two axes are heads and head_dim side by side per tensor shard:
+  shard j's heads of ts[0], then its heads of ts[1], ... (the heads split contiguously)."""
+  per_shard = [t.astype(dtype).reshape(*t.shape[:t.ndim - 2], shards, -1) for t in ts]
+  joined = jnp.concatenate(per_shard, axis=-1)
+  return joined.reshape(*joined.shape[:joined.ndim - 2], -1)
+
+
+def _side_by_side_delta(cfg: ModelConfig, h, p, names, shards):  # h [B, T, D] -> [B, T, N]
+  """The grouped LoRA delta of `names` laid out as qkv_side_by_side lays their outputs."""
+  a = p[_group_key(names)].astype(h.dtype)
+  b = _by_shard([p[f"{n}_lora_b_padded"] for n in names], shards, h.dtype)
+  if a.ndim == 3:  # One adapter per row, [B, in, m * r] (serve's batched multi-LoRA).
+    rowwise = jax.vmap(lambda u, w: jnp.tensordot(u, w, axes=1))
+    return cfg.lora.scale * rowwise(rowwise(h, a), b)
+  # float32 out, as in _dense: XLA would otherwise merge x @ A with x @ W (a copy of W).
+  xa = jnp.tensordot(h, a, axes=1, preferred_element_type=jnp.float32).astype(h.dtype)
+  if cfg.lora.adapters > 1:  # Each token keeps its own adapter's rank components.
+    r = a.shape[-1] // len(names)
+    own = p["lora_adapter"][..., None]  # [B, T, 1]
+    xa = xa * (own == (jnp.arange(a.shape[-1]) % r) // (r // cfg.lora.adapters))
+  return (cfg.lora.scale * jnp.tensordot(xa, b, axes=1)).astype(h.dtype)
 
 
 def qk_norm_weights(cfg: ModelConfig, p):  # -> (q_norm, k_norm) [hd], or Nones

@@ -257,33 +257,37 @@ def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
   return attend
 
 
-def prepares_in_kernel(cfg, layout: RolloutLayout, pool: KVPool) -> bool:
+# XLA:GPU's dot merger makes one product of several that read one input while one of them
+# reads and writes at most this (xla_gpu_dot_merger_threshold_mb).
+_DOT_MERGER_BYTES = 32 << 20
+
+
+def prepares_in_kernel(cfg, layout: RolloutLayout, pool: KVPool, split: bool = True) -> bool:
   """Whether a decode step hands its attention kernels q, k and v as one product's output,
   before Qwen3's q/k norms and RoPE, which the kernels apply as they read them
   (kernels.qk_prep): where the K/V write runs in the kernel (a GPU, one pool), the layers
-  share one RoPE base, no query scale follows RoPE (Gemma), no LoRA adapts wq/wk/wv, and
-  each tensor shard holds its own KV heads. A layer is then a launch shorter (two more
-  with q/k norms): nothing writes the normed and rotated q and k before the kernel."""
+  share one RoPE base, no query scale follows RoPE (Gemma), LoRA adapts all of wq, wk and
+  wv or none of them (adapted, the layers `split`: their adapters laid out by group_lora),
+  and each tensor shard holds its own KV heads. A layer is then a launch shorter (two
+  more with q/k norms): nothing writes the normed and rotated q and k before the kernel."""
   if pool.wk is not None or not appends_in_kernel(pool.k, cfg.attn_logit_softcapping):
     return False
   if cfg.rope_local_base_freq is not None and cfg.any_window:
     return False
   if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
     return False
-  if cfg.lora is not None and set(cfg.lora.targets) & {"wq", "wk", "wv"}:
+  adapted = set(cfg.lora.targets) & {"wq", "wk", "wv"} if cfg.lora is not None else set()
+  if adapted and (len(adapted) < 3 or not split):
     return False
   if layout.kv_axis is None and layout.mesh.shape["tensor"] > 1:
     return False
-  # The product reads the three weights side by side, as XLA's dot merger makes it of
-  # three products where one of them is small (xla_gpu_dot_merger_threshold_mb, 32):
-  # beyond that a GEMM library could take the product, and the weights be copied per step.
+  # The product reads the three weights side by side, the product XLA's dot merger makes
+  # of the three where one is small; beyond that a GEMM library could take it, and the
+  # weights be copied into one buffer every step.
   shards = layout.mesh.shape["tensor"]
   wk_bytes = cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim // shards * \
       jnp.dtype(cfg.compute_dtype).itemsize
   return wk_bytes <= _DOT_MERGER_BYTES
-
-
-_DOT_MERGER_BYTES = 32 << 20
 
 
 def _prepared_decode(layout: RolloutLayout, cfg, page_table, lengths, active,
@@ -294,15 +298,15 @@ def _prepared_decode(layout: RolloutLayout, cfg, page_table, lengths, active,
   rows = layout.rows_spec
   heads = layout.heads_spec(3)
   shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
-  norm = QKPrep(norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+  prep = QKPrep(norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
                 norm_plus_one=cfg.norm_plus_one)
-  scales = (P(), P()) if cfg.qk_norm else ()
-  ops_specs = PrepOperands(rows(2), rows(2), *scales)
+  weights = (P(), P()) if cfg.qk_norm else ()
+  ops_specs = PrepOperands(rows(2), rows(2), *weights)
   specs = pool_specs(layout, False)
 
   def local_fn(pool, layer, qkv, table, lens, act, ops, *sh):
     return _decode_local(cfg, pool, layer, qkv, None, None, table, lens, act,
-                         sh[0] if sh else None, prep=(norm, ops))
+                         sh[0] if sh else None, prep=(prep, ops))
 
   local = layout.per_device(
       local_fn, in_specs=(specs, P(), heads, rows(2), rows(1), rows(1), ops_specs,
@@ -351,7 +355,7 @@ def decode_step(model: Transformer, pool: KVPool, tokens, lengths, page_table, a
   layout = layout or RolloutLayout.build(model.config)
   x = model.embed_tokens(tokens[:, None])  # [B, 1, D]
   project = None
-  if prepares_in_kernel(model.config, layout, pool):
+  if prepares_in_kernel(model.config, layout, pool, layers is not None):
     project, attend = _prepared_decode(layout, model.config, page_table, lengths, active,
                                        shared)
   else:

@@ -207,20 +207,38 @@ def test_grouped_lora_layout_computes_what_the_per_matrix_one_does(adapters):
                          qkv_projection(cfg, x, p, pos)[1], atol=TOL)
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-def test_the_side_by_side_product_is_q_k_and_v_of_each_shard(shards):
+@pytest.mark.parametrize("shards,lora", [(1, None), (2, None), (2, 1), (1, 2), (2, "rows")])
+def test_the_side_by_side_product_is_q_k_and_v_of_each_shard(shards, lora):
   """qkv_side_by_side (the GPU decode's one product, before q/k norms and RoPE, which its
   kernels apply) holds qkv_projection's q, k and v before those: each tensor shard's
-  heads side by side, so the shard's part of the heads axis is its own q, k and v."""
-  from jaxrl_post.models.transformer import qkv_before_rope, qkv_side_by_side
-  cfg = tiny(qkv_bias=True)
+  heads side by side, so the shard's part of the heads axis is its own q, k and v; with
+  LoRA on all three (1 or 2 adapters, or one per row as serve lays them out), their
+  deltas from one A and one B product."""
+  from jaxrl_post.models.config import LoraConfig
+  from jaxrl_post.models.transformer import group_lora, qkv_before_rope, qkv_side_by_side
+  adapters = 2 if lora == 2 else 1
+  adapted = LoraConfig(rank=4, alpha=8.0, adapters=adapters, targets=("wq", "wk", "wv"))
+  cfg = tiny(qkv_bias=True, lora=None if lora is None else adapted)
   p = {n: w[0] for n, w in init_model(cfg, seed=5).layers.stacked().items()}
   rng = np.random.default_rng(5)
-  p.update({n: jnp.asarray(rng.normal(0, 0.5, p[n].shape), p[n].dtype)
-            for n in ("bq", "bk", "bv")})
+  noisy = [n for n in p if n in ("bq", "bk", "bv") or n.endswith("_lora_b")]
+  p.update({n: jnp.asarray(rng.normal(0, 0.5, p[n].shape), p[n].dtype) for n in noisy})
+  if lora == "rows":  # Each of the 3 rows its own adapter's A and B.
+    rows = lambda w: jnp.asarray(rng.normal(0, 0.5, (3, *w.shape)), w.dtype)
+    p.update({n: rows(w) for n, w in p.items() if "_lora_" in n})
+  if lora == 2:
+    p["lora_adapter"] = jnp.asarray(rng.integers(0, 2, (3, 5)), jnp.int32)
   x = jnp.asarray(rng.normal(0, 1, (3, 5, 32)), jnp.float32)
   hq, hkv = cfg.num_heads // shards, cfg.num_kv_heads // shards
-  y = qkv_side_by_side(cfg, x, p, shards).reshape(3, 5, shards, hq + 2 * hkv, cfg.head_dim)
+  grouped = p if lora is None else group_lora(cfg, p)
+  y = qkv_side_by_side(cfg, x, grouped, shards)
+  y = y.reshape(3, 5, shards, hq + 2 * hkv, cfg.head_dim)
   got = [y[:, :, :, :hq], y[:, :, :, hq:hq + hkv], y[:, :, :, hq + hkv:]]
   for want, part in zip(qkv_before_rope(cfg, x, p), got):
     np.testing.assert_allclose(part.reshape(want.shape), want, atol=TOL)
+  if lora is not None:  # The adapters' share is in it, and not laid out: refused.
+    base = {n: w for n, w in p.items() if "lora" not in n}
+    assert not np.allclose(y, qkv_side_by_side(cfg, x, base, shards).reshape(y.shape),
+                           atol=TOL)
+    with pytest.raises(ValueError, match="laid out by group_lora"):
+      qkv_side_by_side(cfg, x, p, shards)
