@@ -190,3 +190,52 @@ def test_a_config_that_fits_with_room_takes_a_lighter_remat_when_it_is_faster():
   assert found[0].bindings == ('ModelSpec.overrides = {"remat": "dots_no_batch"}',)
   found = fit.search(plan_with(7.0), experiment, mesh, budget=6, log=lambda line: None)
   assert found[0].moves == () and found[0].step_s == 4.0  # dots_no_batch needs 9 GB
+
+
+def test_a_lighter_remat_that_does_not_fit_alone_fits_beside_more_micro_batches():
+  """dots_no_batch alone is over the capacity but much faster than full remat: the search
+  goes on from it, frees its activations with twice the micro-batches, and that pair
+  (slower than the lighter remat alone, faster than full) wins."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  experiment = lambda b: _experiment(['ModelSpec.overrides = {"remat": "full"}', *b])
+  micro = experiment([]).trainer.micro_batches
+
+  def plan(bindings):
+    exp = experiment(bindings)
+    remat, split = exp.model.overrides["remat"], exp.trainer.micro_batches // micro
+    temp = {"full": 2.0, "dots_no_batch": 8.0}[remat] / split
+    step = {"full": 4.0, "dots_no_batch": 3.0}[remat] + 0.2 * (split - 1)
+    return {"fits": 4.0 + temp <= 10.0, "peak_gb_per_device": 4.0 + temp,
+            "predicted_s": {"step": step}, "memory_gb": {"train": {"temp": temp}},
+            "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.1},
+            "kv_tokens": 100, "kv_tokens_needed": 50}
+
+  found = fit.search(plan, experiment, mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == ("micro_batches x2", "remat lighter"), found[0]
+  assert found[0].fits and found[0].step_s == 3.2
+  over = [c for c in found if c.moves == ("remat lighter",)]
+  assert over and not over[0].fits  # tried, ranked behind everything that fits
+
+
+def test_slots_are_sized_to_the_pool_the_other_moves_leave():
+  """A lighter remat leaves a smaller KV pool (800 tokens, not 1,600): beside it, the
+  slots move sizes the slots to that pool (8 of 100 tokens), not to the config's own (16,
+  which would not fit)."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  experiment = lambda b: _experiment(['ModelSpec.overrides = {"remat": "full"}',
+                                      "EngineConfig.group_slots = 2",
+                                      "EngineConfig.num_slots = 4", *b])
+
+  def plan(bindings):
+    exp = experiment(bindings)
+    full, n = exp.model.overrides["remat"] == "full", exp.rollout.engine.num_slots
+    pool = 1600 if full else 800
+    return {"fits": n * 100 <= pool, "peak_gb_per_device": 6.0 if full else 9.0,
+            "predicted_s": {"step": (4.0 if full else 3.0) - 0.01 * n},
+            "memory_gb": {"train": {"temp": 2.0 if full else 5.0}},
+            "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.1},
+            "kv_tokens": pool, "kv_tokens_needed": n * 100}
+
+  found = fit.search(plan, experiment, mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == ("slots to the pool", "remat lighter"), found[0]
+  assert "EngineConfig.num_slots = 8" in found[0].bindings and found[0].fits

@@ -13,18 +13,20 @@ search is greedy over moves that each relieve one part of a device's memory:
 * remat lighter: one step from the config's remat towards none (full -> dots_no_batch ->
   dots -> none): less recompute in the backward pass for more memory, tried once a set
   fits;
-* slots to the pool: as many decode slots as the KV pool of the config as it is holds at
-  the longest sequence (whole cascade blocks per data shard, at most a step's samples):
-  fewer where it is short of the config's slots, more where it holds more (fewer decode
-  waves); the other moves only free memory, so the pool they leave holds at least as
-  many.
+* slots to the pool: as many decode slots as the KV pool holds at the longest sequence
+  (whole cascade blocks per data shard, at most a step's samples): fewer where it is
+  short of the config's slots, more where it holds more (fewer decode waves). The pool
+  is the one the plan of the set's other moves left, where that set was planned (a
+  lighter remat leaves less), else the config's own.
 
 A local search over sets of moves. While the config does not fit, the move whose
 estimated saving (from the last plan's memory breakdown) is largest is planned next and
 kept if it lowers the peak. Once a set fits, each of its moves is taken back in turn and
 the others added (a leaner set may let a slower move go), keeping what still fits and is
-faster, or as fast and leaner. Every candidate that fits is ranked by predicted step:
-the fastest wins, the others are the runners-up.
+faster, or as fast and leaner; a set that does not fit but is much faster (a lighter
+remat) is kept too, as a detour, so that the moves after it free its memory (more
+micro-batches beside the lighter remat). Every candidate that fits is ranked by
+predicted step: the fastest wins, the others are the runners-up.
 """
 
 from __future__ import annotations
@@ -133,13 +135,14 @@ def _kv_short(plan) -> float:
   return max(tokens, 0) * plan["resident_gb"]["kv_pool"] / max(plan["kv_tokens_needed"], 1)
 
 
+_SLOTS = "slots to the pool"
 MOVES = (
     Move("micro_batches x2", _micro_batches, lambda p: p["memory_gb"]["train"]["temp"] / 2),
     Move("remat full", _remat, lambda p: p["memory_gb"]["train"]["temp"] / 2),
     Move("reference bfloat16", _reference, lambda p: p["resident_gb"]["reference"] / 2),
     Move("rollout tensor x2", _rollout_tensor,
          lambda p: p["resident_gb"]["rollout_weights"] / 2),
-    Move("slots to the pool", _slots, lambda p: 2 * _kv_short(p)),
+    Move(_SLOTS, _slots, lambda p: 2 * _kv_short(p)),
     Move("remat lighter", _lighter_remat, lambda p: -p["memory_gb"]["train"]["temp"]),
 )
 
@@ -164,8 +167,8 @@ def gin_binding(name: str, value) -> str:
 def _bindings_for(moves: frozenset, experiment: Callable, rollout_mesh: Callable,
                   base: dict):
   """The bindings of a set of moves, applied in MOVES order (each sees the config the
-  earlier ones made; `base` is the plan of the config as it is); None if one of them does
-  not apply."""
+  earlier ones made; `base` is the plan whose KV pool the slots are sized to); None if
+  one of them does not apply."""
   bindings: dict = {}
   for m in MOVES:
     if m.name in moves:
@@ -195,12 +198,21 @@ def _neighbours(current: Candidate, moves: frozenset) -> list[frozenset]:
           [moves | {m.name} for m in reversed(adds)])
 
 
+# How much faster a set that does not fit must be for the search to go on from it.
+_DETOUR = 0.02
+
+
 def _better(nxt: Candidate, current: Candidate) -> bool:
   if not current.fits:
     return nxt.fits or nxt.peak < current.peak
+  if not nxt.fits:
+    # Much faster but over (a lighter remat): a detour. From a set that does not fit the
+    # next moves free memory, largest saving first (more micro-batches), which can make
+    # it fit while it keeps most of its speed; what fits is ranked by step either way.
+    return nxt.plan is not None and nxt.step_s < current.step_s * (1 - _DETOUR)
   faster = nxt.step_s < current.step_s * (1 - 1e-3)
   leaner = nxt.step_s <= current.step_s * 1.02 and nxt.peak < current.peak
-  return nxt.fits and (faster or leaner)
+  return faster or leaner
 
 
 def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
@@ -237,7 +249,9 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
     for option in _neighbours(current, moves):
       if option in seen or option in inapplicable:
         continue
-      bindings = _bindings_for(option, experiment, rollout_mesh, seen[frozenset()].plan)
+      pool_of = seen.get(option - {_SLOTS}, seen[frozenset()])
+      bindings = _bindings_for(option, experiment, rollout_mesh,
+                               (pool_of.plan or seen[frozenset()].plan))
       if bindings is None:
         inapplicable.add(option)
         continue
