@@ -7,8 +7,8 @@ Qwen3's q and k norms) before the kernel reads them; inside the kernels (paged_a
 and paged_attention's block prefix) the rows are normed and rotated in registers, and
 the kernels read the projection's output itself.
 
-`QKPrep` is the static half (the norm's epsilon and form), `prep_operands` the arrays:
-RoPE's tables at each row's position and the norms' scales. `prepare_reference` is the
+`QKPrep` is the static half (the norm's epsilon and form), `PrepOperands` the arrays:
+RoPE's tables at each row's position and the norms' weights. `prepare_reference` is the
 float32 reference; `prepared_rows` the kernels' form.
 """
 
@@ -53,10 +53,11 @@ def check(prep: QKPrep, ops: PrepOperands, rows: int, head_dim: int) -> None:
     raise ValueError(f"RoPE tables {ops.cos.shape} / {ops.sin.shape} do not fit {rows} rows "
                      f"of head_dim {head_dim}")
   norm = (ops.q_scale, ops.k_scale)
-  if (prep.norm_eps is None) != (norm == (None, None)):
-    raise ValueError(f"norm_eps {prep.norm_eps} and the q/k norm scales given disagree")
+  given = [s is not None for s in norm]
+  if any(given) != all(given) or (prep.norm_eps is not None) != all(given):
+    raise ValueError(f"norm_eps {prep.norm_eps} and the q/k norm weights given disagree")
   if prep.norm_eps is not None and any(s.shape != (head_dim,) for s in norm):
-    raise ValueError(f"q/k norm scales {[s.shape for s in norm]} do not fit head_dim "
+    raise ValueError(f"q/k norm weights {[s.shape for s in norm]} do not fit head_dim "
                      f"{head_dim}")
 
 
