@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxrl_post.kernels.packed_attention import rotate_half
+
 
 @dataclasses.dataclass(frozen=True)
 class QKPrep:
@@ -118,10 +120,7 @@ def prepare_reference(x, cos, sin, weight=None, eps=None, plus_one=False):
   if weight is not None:
     scale = weight.astype(jnp.float32) + (1.0 if plus_one else 0.0)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half], x[..., half:]
-  c, s = cos[:, None, :], sin[:, None, :]
-  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return rotate_half(x[:, None], cos[:, None], sin[:, None])[:, 0]  # as one token a row
 
 
 def prepare_pair(q, k, prep: QKPrep, ops: PrepOperands):
