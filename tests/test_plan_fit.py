@@ -239,3 +239,31 @@ def test_slots_are_sized_to_the_pool_the_other_moves_leave():
   found = fit.search(plan, experiment, mesh, budget=6, log=lambda line: None)
   assert found[0].moves == ("slots to the pool", "remat lighter"), found[0]
   assert "EngineConfig.num_slots = 8" in found[0].bindings and found[0].fits
+
+
+def test_slots_beside_an_unplanned_set_are_sized_to_its_nearest_planned_part():
+  """Beside a lighter remat (a pool of 800 tokens, not the config's 400) the slots double
+  to 8. Adding the bf16 reference to that pair makes a set whose other moves (remat
+  lighter + reference) were never planned: its slots are sized to the lighter remat's pool
+  (the largest planned part), not the config's, where 4 slots are what the config has
+  and the set would be dropped as one the slots move cannot change."""
+  mesh = lambda exp: {"data": 1, "tensor": 1, "expert": 1}
+  experiment = lambda b: _experiment(['ModelSpec.overrides = {"remat": "full"}',
+                                      "EngineConfig.group_slots = 2", "LossConfig.kl_coef = 0.01",
+                                      "EngineConfig.num_slots = 4", *b])
+
+  def plan(bindings):
+    exp = experiment(bindings)
+    full, n = exp.model.overrides["remat"] == "full", exp.rollout.engine.num_slots
+    pool = 400 if full else 800
+    bf16 = exp.reference.dtype == "bfloat16"
+    return {"fits": n * 100 <= pool, "peak_gb_per_device": 6.0,
+            "predicted_s": {"step": (4.0 if full else 3.0) - 0.01 * n - 0.1 * bf16},
+            "memory_gb": {"train": {"temp": 1.0}},
+            "resident_gb": {"reference": 0.0, "rollout_weights": 0.0, "kv_pool": 0.1},
+            "kv_tokens": pool, "kv_tokens_needed": n * 100}
+
+  found = fit.search(plan, experiment, mesh, budget=8, log=lambda line: None)
+  assert found[0].moves == ("reference bfloat16", "slots to the pool", "remat lighter"), \
+      found[0]
+  assert "EngineConfig.num_slots = 8" in found[0].bindings and found[0].fits

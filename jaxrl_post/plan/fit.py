@@ -17,7 +17,8 @@ search is greedy over moves that each relieve one part of a device's memory:
   (whole cascade blocks per data shard, at most a step's samples): fewer where it is
   short of the config's slots, more where it holds more (fewer decode waves). The pool
   is the one the plan of the set's other moves left, where that set was planned (a
-  lighter remat leaves less), else the config's own.
+  lighter remat leaves less), else that of the largest planned part of them; a set is
+  sized again once a nearer plan is known.
 
 A local search over sets of moves. While the config does not fit, the move whose
 estimated saving (from the last plan's memory breakdown) is largest is planned next and
@@ -215,6 +216,15 @@ def _better(nxt: Candidate, current: Candidate) -> bool:
   return faster or leaner
 
 
+def _pool_source(option: frozenset, seen: dict) -> frozenset:
+  """The planned set whose KV pool `option`'s slots are sized to: its other moves if they
+  were planned, else the planned subset of them with the most moves (the pool nearest
+  the one they would leave; the config's own at worst)."""
+  others = option - {_SLOTS}
+  return max((s for s, c in seen.items() if s <= others and c.plan is not None),
+             key=lambda s: (len(s), sorted(s)))
+
+
 def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
            budget: int = 6, log: Callable[[str], None] = print) -> list[Candidate]:
   """Candidates planned, best first (fitting ones by predicted step, then the rest by peak).
@@ -226,7 +236,9 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
   rollout_mesh(exp) -> its rollout mesh's axis sizes.
   """
   seen: dict[frozenset, Candidate] = {}
-  inapplicable: set[frozenset] = set()
+  # (set, the set whose pool its slots were sized to): a set the slots move found nothing
+  # to change for under one pool is tried again once a closer set's pool is known.
+  inapplicable: set[tuple[frozenset, frozenset]] = set()
 
   def plan(moves: frozenset, bindings: dict) -> Candidate:
     names = tuple(m.name for m in MOVES if m.name in moves)
@@ -247,13 +259,12 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
     raise UserError(f"plan --fit: the config itself cannot be planned: {current.error}")
   while len(seen) < budget:
     for option in _neighbours(current, moves):
-      if option in seen or option in inapplicable:
+      pool_of = _pool_source(option, seen)
+      if option in seen or (option, pool_of) in inapplicable:
         continue
-      pool_of = seen.get(option - {_SLOTS}, seen[frozenset()])
-      bindings = _bindings_for(option, experiment, rollout_mesh,
-                               (pool_of.plan or seen[frozenset()].plan))
+      bindings = _bindings_for(option, experiment, rollout_mesh, seen[pool_of].plan)
       if bindings is None:
-        inapplicable.add(option)
+        inapplicable.add((option, pool_of))
         continue
       nxt = plan(option, bindings)
       if _better(nxt, current):
