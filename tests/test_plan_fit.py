@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 from jaxrl_post.pipeline import config
 from jaxrl_post.plan import fit
 
@@ -267,3 +269,29 @@ def test_slots_beside_an_unplanned_set_are_sized_to_its_nearest_planned_part():
   assert found[0].moves == ("reference bfloat16", "slots to the pool", "remat lighter"), \
       found[0]
   assert "EngineConfig.num_slots = 8" in found[0].bindings and found[0].fits
+
+
+def test_within_a_search_a_program_compiled_for_one_candidate_is_not_compiled_again():
+  """Two configs a slots move apart share their train step and weight sync: planned
+  inside compiling_once(), the second compiles only its rollout programs."""
+  from jaxrl_post.pipeline.compiles import CompileCounter
+  from jaxrl_post.plan import memory, programs
+
+  small = ["RolloutSpec.prompts_per_step = 4", "RolloutSpec.group_size = 4",
+           "EngineConfig.group_slots = 4", "PlacementConfig.num_devices = 1",
+           "PoolConfig.num_pages = None"]
+  plan = lambda slots: programs.compile_programs(
+      _experiment([*small, f"EngineConfig.num_slots = {slots}"]), jax.devices()[:1])
+  # Every program compiled here, none loaded (a load is not counted by name); the suite's
+  # cache settings come back after the test (tests/conftest.py).
+  jax.config.update("jax_enable_compilation_cache", False)
+  with memory.compiling_once():
+    with CompileCounter() as first:
+      once = plan(16)
+    with CompileCounter() as second:
+      again = plan(8)
+  assert "jit(minibatch_update)" in first.by_function, first.by_function
+  assert first.total > second.total > 0 and first.cache_hits == second.cache_hits == 0
+  assert "jit(minibatch_update)" not in second.by_function, second.by_function
+  assert again.train.compiled == once.train.compiled and again.sync == once.sync
+  assert again.decode != once.decode  # Twice the slots' programs, compiled for each.

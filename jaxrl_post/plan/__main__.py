@@ -144,7 +144,7 @@ def _plan(gin_files, gin_params, target, found):
 
 def _fit(args, target, found) -> int:
   """plan --fit: the fastest bindings that fit (plan.fit), printed ready to paste."""
-  from jaxrl_post.plan import fit
+  from jaxrl_post.plan import fit, memory
   from jaxrl_post.sharding import build_meshes
 
   def plan_with(bindings):
@@ -156,7 +156,8 @@ def _fit(args, target, found) -> int:
   experiment = lambda bindings: _experiment(args.gin_file, [*args.gin_param, *bindings])
   mesh = lambda exp: dict(build_meshes(exp.placement, _devices(exp, found)).rollout.shape)
   log = (lambda line: print(line, file=sys.stderr)) if args.json else print
-  candidates = fit.search(plan_with, experiment, mesh, budget=args.fit_budget, log=log)
+  with memory.compiling_once():  # Candidates share most of their programs.
+    candidates = fit.search(plan_with, experiment, mesh, budget=args.fit_budget, log=log)
   if args.json:
     print(json.dumps({"target": target.name, "fits": candidates[0].fits, "candidates": [
         {"bindings": list(c.bindings), "moves": list(c.moves), "fits": c.fits,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import tempfile
 from typing import Optional
@@ -195,11 +196,50 @@ def _flops(compiled) -> float:
   return float((cost or {}).get("flops", 0.0))
 
 
+# plan --fit plans configs a binding or two apart, whose programs are mostly the same: a
+# slots move leaves the train step as it was, a micro-batch move the decode loop. Inside
+# compiling_once(), a program whose lowered text was compiled before (with the same
+# options) is not compiled again; outside, every call compiles.
+_COMPILED: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def compiling_once():
+  """Within the block, each distinct program compiles once (compile_lowered and
+  compile_with_allocations keep what they compiled until the block ends)."""
+  global _COMPILED
+  saved, _COMPILED = _COMPILED, {}
+  try:
+    yield
+  finally:
+    _COMPILED = saved
+
+
+def _once(lowered, options: tuple, compile_fn):
+  if _COMPILED is None:
+    return compile_fn()
+  key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), options)
+  if key not in _COMPILED:
+    _COMPILED[key] = compile_fn()
+  return _COMPILED[key]
+
+
+def compile_lowered(lowered):
+  """lowered.compile(); once per distinct program inside compiling_once()."""
+  return _once(lowered, (), lowered.compile)
+
+
 def compile_with_allocations(lowered, top: int = 0, platform: str = "cpu"):
   """(compiled, its `top` largest allocations) for a program built for `platform`: read
   from the executable's buffer assignment where XLA's CPU and GPU clients report it;
   libtpu reports none, so a TPU program is compiled with its module dumped (which writes
-  text files only) and the allocations are read from the memory-usage report beside it."""
+  text files only) and the allocations are read from the memory-usage report beside it.
+  Once per distinct program inside compiling_once()."""
+  return _once(lowered, ("allocations", top, platform),
+               lambda: _compile_with_allocations(lowered, top, platform))
+
+
+def _compile_with_allocations(lowered, top: int, platform: str):
   if top <= 0 or platform != "tpu":
     compiled = lowered.compile()
     return compiled, largest_allocations(compiled, top)
@@ -577,5 +617,5 @@ def decode_loop_memory(model_cfg: ModelConfig, num_slots: int, pages_per_shard: 
   params, pool, state = decode_operands(model_cfg, num_slots, pages_per_shard, page_size,
                                         table_pages, kv_dtype, weight_dtype, max_stop_ids,
                                         layout)
-  return compiled_memory(lower_decode(model_cfg, params, pool, state, steps,
-                                      layout).compile(), analyse)
+  return compiled_memory(compile_lowered(lower_decode(model_cfg, params, pool, state, steps,
+                                                      layout)), analyse)

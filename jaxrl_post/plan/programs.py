@@ -152,10 +152,11 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                                window_pages_per_shard=wpages)
   r = exp.rollout  # The engine leaves the truncation pass out when no request uses it.
   shared, width = _cascade_operands(s, layout)
-  decode = compiled_memory(memory.lower_decode(cfg, params, pool, state, steps, layout,
-                                                r.top_k > 0 or r.top_p < 1, shared,
-                                                width).compile(), analyse=True)
-  prefill = compiled_memory(_lower_prefill(cfg, params, pool, s, layout).compile(), analyse=True)
+  decode = compiled_memory(memory.compile_lowered(memory.lower_decode(
+      cfg, params, pool, state, steps, layout, r.top_k > 0 or r.top_p < 1, shared, width)),
+      analyse=True)
+  prefill = compiled_memory(memory.compile_lowered(_lower_prefill(cfg, params, pool, s, layout)),
+                            analyse=True)
   sync, sync_bytes = _compile_sync(exp, cfg, meshes, layout)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
                   prefill=prefill,
@@ -223,7 +224,7 @@ def _compile_sync(exp, cfg: ModelConfig, meshes: Meshes,
     lowered = inner._sync.lower(train, rollout)
   else:
     lowered = inner._first.lower(train)
-  return compiled_memory(lowered.compile(), analyse=True), inner.bytes_per_sync
+  return compiled_memory(memory.compile_lowered(lowered), analyse=True), inner.bytes_per_sync
 
 
 def _placed(tree, shardings, dtype=None):
