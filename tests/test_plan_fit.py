@@ -295,3 +295,38 @@ def test_within_a_search_a_program_compiled_for_one_candidate_is_not_compiled_ag
   assert "jit(minibatch_update)" not in second.by_function, second.by_function
   assert again.train.compiled == once.train.compiled and again.sync == once.sync
   assert again.decode != once.decode  # Twice the slots' programs, compiled for each.
+
+
+def test_a_detour_that_one_move_does_not_make_fit_goes_back_to_the_set_it_left():
+  """A lighter remat beside 2x micro-batches is much faster but 2.5 GB over; the bf16
+  reference beside it frees 1 GB, not enough: the search goes back to the micro-batches
+  and finds the wider rollout split, then that split alone (the fastest that fits),
+  within the same budget that the detour would otherwise have spent going further over."""
+  experiment = lambda b: _experiment(['ModelSpec.overrides = {"remat": "full"}',
+                                      "LossConfig.kl_coef = 0.01", *b])
+  micro = experiment([]).trainer.micro_batches
+
+  def plan(bindings):
+    exp = experiment(bindings)
+    remat, split = exp.model.overrides["remat"], exp.trainer.micro_batches // micro
+    tensor = exp.placement.rollout_mesh.tensor
+    temp = {"full": 3.0, "dots_no_batch": 9.0}[remat] / split
+    reference = 2.0 if exp.reference.dtype == "float32" else 1.0
+    peak = 4.0 + temp + reference + 2.0 / tensor
+    step = {"full": 4.0, "dots_no_batch": 3.0}[remat] + 0.5 * (split - 1) - 0.3 * (tensor - 1)
+    return {"fits": peak <= 10.0, "peak_gb_per_device": peak, "predicted_s": {"step": step},
+            "memory_gb": {"train": {"temp": temp}},
+            "resident_gb": {"reference": reference, "rollout_weights": 2.0 / tensor,
+                            "kv_pool": 0.1},
+            # A pool of just the slots' need: the slots move has nothing to change.
+            "kv_tokens": 100 * exp.rollout.engine.num_slots,
+            "kv_tokens_needed": 100 * exp.rollout.engine.num_slots}
+
+  found = fit.search(plan, experiment, _rollout_mesh, budget=6, log=lambda line: None)
+  assert found[0].moves == ("rollout tensor x2",) and found[0].fits, found[0]
+  assert found[0].step_s == 3.7
+  tried = {c.moves for c in found}
+  assert ("micro_batches x2", "remat lighter") in tried  # the detour, abandoned after
+  assert ("micro_batches x2", "reference bfloat16", "remat lighter") in tried  # one move
+  assert ("micro_batches x2", "reference bfloat16", "rollout tensor x2",
+          "remat lighter") not in tried

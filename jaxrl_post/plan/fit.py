@@ -25,9 +25,10 @@ estimated saving (from the last plan's memory breakdown) is largest is planned n
 kept if it lowers the peak. Once a set fits, each of its moves is taken back in turn and
 the others added (a leaner set may let a slower move go), keeping what still fits and is
 faster, or as fast and leaner; a set that does not fit but is much faster (a lighter
-remat) is kept too, as a detour, so that the moves after it free its memory (more
-micro-batches beside the lighter remat). Every candidate that fits is ranked by
-predicted step: the fastest wins, the others are the runners-up.
+remat) is kept too, as a detour, so that the move after it frees its memory (more
+micro-batches beside the lighter remat); if that one move does not make it fit, the
+search goes back to the set it left. Every candidate that fits is ranked by predicted
+step: the fastest wins, the others are the runners-up.
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ def _neighbours(current: Candidate, moves: frozenset) -> list[frozenset]:
           [moves | {m.name} for m in reversed(adds)])
 
 
-# How much faster a set that does not fit must be for the search to go on from it.
+# How much faster a set that does not fit must be for the search to go on from it (for
+# one move: if the move that frees most beside it does not make it fit, the search goes
+# back to the set it left and tries that set's other moves).
 _DETOUR = 0.02
 
 
@@ -208,8 +211,8 @@ def _better(nxt: Candidate, current: Candidate) -> bool:
     return nxt.fits or nxt.peak < current.peak
   if not nxt.fits:
     # Much faster but over (a lighter remat): a detour. From a set that does not fit the
-    # next moves free memory, largest saving first (more micro-batches), which can make
-    # it fit while it keeps most of its speed; what fits is ranked by step either way.
+    # next move frees memory, the largest saving first (more micro-batches), which can
+    # make it fit while it keeps most of its speed; what fits is ranked by step either way.
     return nxt.plan is not None and nxt.step_s < current.step_s * (1 - _DETOUR)
   faster = nxt.step_s < current.step_s * (1 - 1e-3)
   leaner = nxt.step_s <= current.step_s * 1.02 and nxt.peak < current.peak
@@ -257,6 +260,7 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
   current = plan(moves, {})
   if current.plan is None:
     raise UserError(f"plan --fit: the config itself cannot be planned: {current.error}")
+  left = None  # (moves, candidate) a detour left: where the search goes on if it fails.
   while len(seen) < budget:
     for option in _neighbours(current, moves):
       pool_of = _pool_source(option, seen)
@@ -267,11 +271,19 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
         inapplicable.add((option, pool_of))
         continue
       nxt = plan(option, bindings)
-      if _better(nxt, current):
+      if left is not None and not nxt.fits:  # The detour's one move did not make it fit.
+        (moves, current), left = left, None
+      elif _better(nxt, current):
+        if current.fits and not nxt.fits:
+          left = (moves, current)
+        elif nxt.fits:
+          left = None
         current, moves = nxt, option
       break
-    else:
-      break
+    else:  # Nothing left to try from here: back from a detour, or done.
+      if left is None:
+        break
+      (moves, current), left = left, None
   planned = [c for c in seen.values() if c.plan is not None]
   fitting = sorted((c for c in planned if c.fits), key=lambda c: c.step_s)
   rest = sorted((c for c in planned if not c.fits), key=lambda c: c.peak)
