@@ -27,7 +27,7 @@ the others added (a leaner set may let a slower move go), keeping what still fit
 faster, or as fast and leaner; a set that does not fit but is much faster (a lighter
 remat) is kept too, as a detour, so that the move after it frees its memory (more
 micro-batches beside the lighter remat); if that one move does not make it fit, the
-search goes back to the set it left. Every candidate that fits is ranked by predicted
+search goes back to the set it left and tries that move there. Every candidate that fits is ranked by predicted
 step: the fastest wins, the others are the runners-up.
 """
 
@@ -202,7 +202,7 @@ def _neighbours(current: Candidate, moves: frozenset) -> list[frozenset]:
 
 # How much faster a set that does not fit must be for the search to go on from it (for
 # one move: if the move that frees most beside it does not make it fit, the search goes
-# back to the set it left and tries that set's other moves).
+# back to the set it left and tries that move there, then that set's other moves).
 _DETOUR = 0.02
 
 
@@ -261,8 +261,10 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
   if current.plan is None:
     raise UserError(f"plan --fit: the config itself cannot be planned: {current.error}")
   left = None  # (moves, candidate) a detour left: where the search goes on if it fails.
+  first: list[frozenset] = []  # A set to try before the current set's neighbours.
   while len(seen) < budget:
-    for option in _neighbours(current, moves):
+    options, first = [*first, *_neighbours(current, moves)], []
+    for option in options:
       pool_of = _pool_source(option, seen)
       if option in seen or (option, pool_of) in inapplicable:
         continue
@@ -271,7 +273,10 @@ def search(plan_with: Callable, experiment: Callable, rollout_mesh: Callable,
         inapplicable.add((option, pool_of))
         continue
       nxt = plan(option, bindings)
-      if left is not None and not nxt.fits:  # The detour's one move did not make it fit.
+      if left is not None and not nxt.fits:  # The detour's one move did not make it fit:
+        # back to the set it left, that move tried there first (it frees the most, which
+        # may let a slower move be taken back).
+        first = [left[0] | (option - moves)]
         (moves, current), left = left, None
       elif _better(nxt, current):
         if current.fits and not nxt.fits:
