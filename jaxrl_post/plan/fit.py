@@ -27,8 +27,8 @@ the others added (a leaner set may let a slower move go), keeping what still fit
 faster, or as fast and leaner; a set that does not fit but is much faster (a lighter
 remat) is kept too, as a detour, so that the move after it frees its memory (more
 micro-batches beside the lighter remat); if that one move does not make it fit, the
-search goes back to the set it left and tries that move there. Every candidate that fits is ranked by predicted
-step: the fastest wins, the others are the runners-up.
+search goes back to the set it left and tries that move there. Every candidate that
+fits is ranked by predicted step: the fastest wins, the others are the runners-up.
 """
 
 from __future__ import annotations
