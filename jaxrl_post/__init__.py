@@ -2,12 +2,12 @@
 
 import os as _os
 
-from jaxrl_post import _checkout, _cuda, _libtpu
+from jaxrl_post import _checkout, cuda_plugin, libtpu_plugin
 from jaxrl_post.plugins import register  # Your own task or environment, in gin.
 
 __version__ = "0.1.0"
 
 _checkout.install(__name__, _os.path.dirname(__file__))
-_libtpu.quiet_without_tpu()  # Before jax starts a backend: every command imports us first.
-_cuda.quiet_without_gpu()
-_cuda.share_gpu_memory()
+libtpu_plugin.quiet_without_tpu()  # Before jax starts a backend: every command imports us first.
+cuda_plugin.quiet_without_gpu()
+cuda_plugin.share_gpu_memory()

@@ -50,9 +50,9 @@ def test_commands_start_without_libtpus_error_block_on_a_host_without_tpus(tmp_p
   TPU-discovery errors in every command; importing jaxrl_post first keeps libtpu quiet."""
   import importlib.util
 
-  from jaxrl_post import _libtpu
+  from jaxrl_post import libtpu_plugin
 
-  if _libtpu.has_tpu_hardware():
+  if libtpu_plugin.has_tpu_hardware():
     return  # A TPU VM: libtpu is the runtime there and is left alone.
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("TPU_", "ALLOW_MULTIPLE_LIBTPU")) and k != "JAX_PLATFORMS"}

@@ -225,8 +225,8 @@ def test_plan_compiles_for_an_h100_without_one_with_the_triton_kernels():
 
 
 def test_a_run_takes_the_gpu_memory_share_unless_the_user_sets_one():
-  show = ("import os, jaxrl_post; from jaxrl_post import _cuda; "
-          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], _cuda.gpu_memory_share())")
+  show = ("import os, jaxrl_post; from jaxrl_post import cuda_plugin; "
+          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], cuda_plugin.gpu_memory_share())")
   env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
   for value, want in ((None, "0.9 0.9"), ("0.5", "0.5 0.5")):
     run_env = env if value is None else {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": value}

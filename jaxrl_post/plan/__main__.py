@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxrl_post import _cuda, compile_cache, plugins
+from jaxrl_post import compile_cache, cuda_plugin, plugins
 from jaxrl_post.errors import UserError
 from jaxrl_post.plan import targets
 
@@ -137,7 +137,7 @@ def _plan(gin_files, gin_params, target, found):
     share = target.chips / len(devices)  # a v4 chip shows as two devices
     chip = target.chip if share == 1 else _per_device(target.chip, share)
     if chip.platform == "gpu":  # What jax's allocator holds of it in a run.
-      chip = dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * _cuda.gpu_memory_share())
+      chip = dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * cuda_plugin.gpu_memory_share())
   return report.build(compiled, target, chip, exp, len(devices), found.compiled_for,
                       memory_stats=stats)
 

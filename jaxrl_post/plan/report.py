@@ -17,7 +17,7 @@ import math
 import os
 from typing import Optional
 
-from jaxrl_post import _cuda
+from jaxrl_post import cuda_plugin
 from jaxrl_post.errors import UserError
 from jaxrl_post.plan.hlo_cost import ProgramCost
 from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_bytes
@@ -236,9 +236,9 @@ def _notes(p: Programs, target: Target, compiled_for: str) -> list:
     notes.append(f"programs compiled for the {compiled_for}; memory and peaks are the "
                  f"{target.chip.name}'s")
   if target.chip is not None and target.chip.platform == "gpu":
-    notes.append(f"memory per GPU: the {_cuda.gpu_memory_share():.2f} of it jax's allocator "
+    notes.append(f"memory per GPU: the {cuda_plugin.gpu_memory_share():.2f} of it jax's allocator "
                  "holds in a run (XLA_PYTHON_CLIENT_MEM_FRACTION, which jaxrl_post sets to "
-                 f"{_cuda.GPU_MEMORY_SHARE} unless you do)")
+                 f"{cuda_plugin.GPU_MEMORY_SHARE} unless you do)")
   for name, mem in (("train", p.train.compiled), ("prefill", p.prefill), ("decode", p.decode)):
     if mem.cost.unknown_loops:
       notes.append(f"{name}: {len(mem.cost.unknown_loops)} loop(s) without a constant trip "

@@ -21,7 +21,7 @@ import os
 import re
 from typing import Optional
 
-from jaxrl_post import _libtpu
+from jaxrl_post import libtpu_plugin
 from jaxrl_post.errors import UserError
 from jaxrl_post.telemetry.peaks import CHIPS, Chip, chip_of_kind  # noqa: F401  (the table)
 
@@ -166,7 +166,7 @@ def compile_only_tpu_env() -> None:
   file), and it looks for no TPU metadata server or worker list, which a CPU host lacks.
   Explicit settings win.
   """
-  _libtpu.compile_only_env()
+  libtpu_plugin.compile_only_env()
 
 
 def has_cuda_compiler() -> bool:
