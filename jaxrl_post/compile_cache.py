@@ -96,12 +96,16 @@ def enable(flag: Optional[str] = None) -> Optional[str]:
 
 def keep_collectives_ordered() -> None:
   """Keeps XLA:CPU programs over several devices out of the cache, both ways. When XLA:CPU
-  (jaxlib 0.11) compiles a program, its collectives share one resource that orders them;
-  when it deserialises one, each gets a resource of its own. Loaded from the cache, a
-  program with independent collectives (the MoE train step on 8 CPU devices) starts them
-  in different orders on different devices, whose threads then wait in both until the
-  pool has none left to join either, and XLA aborts the process after its rendezvous
-  timeout. One device has no rendezvous; GPU and TPU executables keep their order.
+  (jaxlib 0.11) compiles a program, its collectives share one resource that orders them,
+  those inside loops and branches included; when it deserialises one, each thunk sequence
+  (the entry, each loop body, each branch) gets a resource of its own, so a loop holding
+  collectives is no longer ordered against the collectives beside it. Loaded from the
+  cache, a program with such independent collectives (the MoE train step on 8 CPU
+  devices: a layer scan of collectives and collectives around it) can start them in
+  different orders on different devices, whose threads then wait in both until the pool
+  has none left to join either, and XLA aborts the process after its rendezvous timeout;
+  whether it does is a matter of timing. One device has no rendezvous; GPU and TPU
+  executables keep their order.
   jax has no per-program switch for its cache: this wraps its read and write (jax is
   pinned, and tests/test_compile_cache.py fails if they move)."""
   from jax._src import compilation_cache as cache
