@@ -28,7 +28,7 @@ import jax, numpy as np
 from jax.sharding import Mesh
 from jaxrl_post.models import ModelConfig
 from jaxrl_post.plan import memory
-from jaxrl_post.plan.hlo_cost import loop_launches, program_cost
+from jaxrl_post.plan.hlo_cost import leaf_costs, loop_launches, parse, program_cost
 from jaxrl_post.models import LoraConfig
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.sharding import AXES
@@ -43,6 +43,13 @@ for split in (False, True):
   args = memory.decode_operands(cfg, 8, 1 + 8 * 4, 16, 4, "bfloat16", "bfloat16", 8, layout)
   text = memory.lower_decode(cfg, *args, 4, layout, False).compile().as_text()
   out["split" if split else "stacked"] = {**loop_launches(text), "bytes": program_cost(text).bytes}
+# Launches of a decode step that read all of the step's f32 logits [8 slots, 512]: the
+# sampling's passes over them (the LM head's matmul writes them).
+shapes = {i.name: i.shape for c in parse(text)[0].values() for i in c}
+out["logit_passes"] = sum(
+    times > 1 and cost.bytes >= 8 * 512 * 4 and "f32[8,512]" in instr.shape + "".join(
+        shapes.get(o, "") for o in instr.operands) for instr, times, cost in leaf_costs(text)
+    if instr.opcode != "custom-call" and "gemm" not in instr.attrs)
 # Qwen3's q and k norms, applied with RoPE inside the attention kernels (kernels.qk_prep):
 # the same launches as the model without them.
 normed = cfg.replace(qk_norm=True)
@@ -108,6 +115,9 @@ def test_the_h100_decode_loop_copies_no_layer_weights():
   # product, SwiGLU, the down product; then a step's sampling and bookkeeping (22).
   assert launches["split"]["total"] <= 3 * 8 + 22, launches["split"]
   assert launches["qk_norm"]["total"] == launches["split"]["total"], launches["qk_norm"]
+  # The draw reads the logits once: max, block masses and argmax in one reduction (three
+  # passes before; at 256 rows of Llama 3's vocabulary each is 131 MB a step).
+  assert launches["logit_passes"] == 1, launches["logit_passes"]
   # No flag read back per step: the loop runs a trip count XLA knows, sampling no cond.
   assert launches["split"]["flag_reads"] == 0 and "conditional" not in split, launches
   big = launches["big_pool"]

@@ -96,6 +96,39 @@ def test_cost_walker_counts_scanned_layers_by_their_trip_count():
     assert cost.bytes >= n * 128 * 128 * 4  # every layer's weights are read
 
 
+_GATHER_AFTER_ELEMENTWISE = """
+%fused (p0: f32[64,4096], p1: f32[64], p2: s32[64,8,2]) -> f32[64,8,1,1] {
+  %p0 = f32[64,4096]{1,0} parameter(0)
+  %p1 = f32[64]{0} parameter(1)
+  %b = f32[64,4096]{1,0} broadcast(%p1), dimensions={0}
+  %d = f32[64,4096]{1,0} divide(%p0, %b)
+  %e = f32[64,4096]{1,0} exponential(%d)
+  %v = f32[262144]{0} bitcast(%e)
+  %w = f32[64,4096]{1,0} bitcast(%v)
+  %p2 = s32[64,8,2]{2,1,0} parameter(2)
+  ROOT %g = f32[64,8,1,1]{3,2,1,0} gather(%w, %p2), offset_dims={2,3}, collapsed_slice_dims={}, start_index_map={0,1}, index_vector_dim=2, slice_sizes={1,1}
+}
+
+ENTRY %main (x: f32[64,4096], t: f32[64], i: s32[64,8,2]) -> f32[64,8,1,1] {
+  %x = f32[64,4096]{1,0} parameter(0)
+  %t = f32[64]{0} parameter(1)
+  %i = s32[64,8,2]{2,1,0} parameter(2)
+  ROOT %f = f32[64,8,1,1]{3,2,1,0} fusion(%x, %t, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_fusion_reads_of_an_operand_only_what_its_gather_takes_through_elementwise_ops():
+  """A row's chosen logits gathered out of an op over the whole row (the draw's scaled
+  logits): the fusion computes the op for the gathered elements only, and reads those."""
+  cost = hlo_cost.program_cost(_GATHER_AFTER_ELEMENTWISE)
+  gathered = 64 * 8 * 4
+  assert cost.bytes == gathered + 64 * 4 + 64 * 8 * 2 * 4 + gathered  # + the index, out
+  whole = _GATHER_AFTER_ELEMENTWISE.replace("%e = f32[64,4096]{1,0} exponential(%d)",
+                                            "%e = f32[64,4096]{1,0} reverse(%d), dimensions={1}")
+  assert hlo_cost.program_cost(whole).bytes >= 64 * 4096 * 4  # not elementwise: all of it
+
+
 def _in_loop(w, x):  # Module-level functions: the sources below are named by them.
   return jax.lax.fori_loop(0, 10, lambda i, h: jnp.tanh(h @ w), x)
 

@@ -48,6 +48,11 @@ _COLLECTIVES = {"all-gather", "all-gather-start", "all-reduce", "all-reduce-star
                 "collective-permute-start", "ragged-all-to-all"}
 _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
+# Ops a fusion computes element by element: only for the elements its output needs.
+_ELEMENTWISE = {"abs", "add", "and", "clamp", "compare", "convert", "cosine", "divide",
+                "exponential", "exponential-minus-one", "log", "log-plus-one", "maximum",
+                "minimum", "multiply", "negate", "not", "or", "power", "rsqrt", "select",
+                "sine", "sqrt", "subtract", "tanh", "xor"}
 
 
 @dataclasses.dataclass
@@ -258,34 +263,40 @@ class _Walker:
 
   def param_read(self, body: list[Instr], index: int, full: float) -> float:
     """Bytes a fusion reads of its operand `index`: the slices it takes when it only
-    slices it (through nested fusions too), nothing when it is only the buffer an in-place
-    update writes into, else all of it."""
+    slices it (through views, elementwise ops and nested fusions too), nothing when it is
+    only the buffer an in-place update writes into, else all of it."""
     param = next((i for i in body if i.opcode == "parameter" and i.args == str(index)), None)
     if param is None:
       return full
+    return self._read_through(body, param, full, in_place_ok=True)
+
+  def _read_through(self, body: list[Instr], value: Instr, full: float,
+                    in_place_ok: bool = False) -> float:
+    """Bytes of `full` (a fused operand) read through `value` (the operand, or a view or
+    elementwise op of it): a fusion computes such ops only for the elements its slices
+    take (a row's chosen logits gathered out of an op over the whole row reads those
+    elements only), so what each path ends in decides."""
+    per_element = full / max(1, math.prod(_dims(value.shape)))
     read = 0.0
-    for user in (i for i in body if param.name in i.operands):
-      first = user.operands[0] == param.name
+    for user in (i for i in body if value.name in i.operands):
+      first = user.operands[0] == value.name
       if user.opcode in _SLICES and first:
-        read += shape_bytes(user.shape)
-      elif user.opcode in _IN_PLACE and first and user.operands.count(param.name) == 1:
+        read += per_element * math.prod(_dims(user.shape))
+      elif (in_place_ok and user.opcode in _IN_PLACE and first
+            and user.operands.count(value.name) == 1):
         continue
-      elif user.opcode == "bitcast":
-        read += self.param_read_through(body, user, full)
+      elif user.opcode == "bitcast" or (user.opcode in _ELEMENTWISE
+                                        and _dims(user.shape) == _dims(value.shape)):
+        read += self._read_through(body, user, full)
       elif user.opcode == "fusion":
         nested = self.comps.get(_attr(user.attrs, "calls"), [])
         read += sum(self.param_read(nested, k, full)
-                    for k, o in enumerate(user.operands) if o == param.name)
+                    for k, o in enumerate(user.operands) if o == value.name)
       else:
         return full
-    return min(read, full)
-
-  def param_read_through(self, body: list[Instr], view: Instr, full: float) -> float:
-    """param_read for a bitcast of a parameter: its users, as if they used the parameter."""
-    users = [i for i in body if view.name in i.operands]
-    if users and all(u.opcode in _SLICES and u.operands[0] == view.name for u in users):
-      return min(sum(shape_bytes(u.shape) for u in users), full)
-    return full
+      if read >= full:
+        return full
+    return read
 
   def custom_call(self, instr: Instr) -> Cost:
     estimate = re.search(r'"cost_estimate":\s*(\{[^}]*\})', instr.attrs)

@@ -143,6 +143,36 @@ def test_inverse_cdf_draw_with_small_blocks_matches_the_distribution():
                        seed=5)
 
 
+def test_one_pass_row_statistics_equal_the_separate_passes():
+  """The GPU's one-pass reduction (max, block masses and argmax together) against the
+  separate passes: 4,096 tokens in 32 blocks of 128, rows with excluded (-inf) tokens and
+  whole excluded blocks, a max tied within and across blocks (the first one wins), and the
+  draws."""
+  rng = np.random.default_rng(3)
+  x = (rng.normal(size=(6, 4096)) * 4).astype(np.float32)
+  x[1, rng.random(4096) < 0.9] = -np.inf  # most tokens excluded (a top-k row)
+  x[2, 128:3000] = -np.inf  # whole blocks excluded
+  x[3, [9, 5, 700, 4000]] = 50.0  # the max twice in a block and in two more: 5 first
+  x[4, [900, 131, 130]] = 50.0  # ... and in a later block before an earlier one: 130
+  x[5, :] = -np.inf
+  x[5, 4095] = 1.0  # one token left, in the last block
+  blk = sampling._block_size(4096)
+  assert blk == 128
+  rows = jnp.asarray(x)
+  want = jax.jit(sampling._block_stats, static_argnums=1)(rows, blk)
+  got = jax.jit(sampling._block_stats_one_pass, static_argnums=1)(rows, blk)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # the max: exact
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=0)
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+  np.testing.assert_array_equal(np.asarray(got[2])[3:], [5, 130, 4095])
+  keys = token_keys(jnp.arange(6, dtype=jnp.uint32), jnp.zeros(6, jnp.int32),
+                    jnp.zeros(6, jnp.int32))
+  draws = [jax.jit(functools.partial(sampling._draw, one_pass=one))(keys, rows)
+           for one in (False, True)]
+  np.testing.assert_array_equal(np.asarray(draws[1][0]), np.asarray(draws[0][0]))
+  np.testing.assert_allclose(np.asarray(draws[1][2]), np.asarray(draws[0][2]), atol=1e-6)
+
+
 def test_sampling_keeps_tensor_sharded_logits_on_their_tpu_chips():
   # 4 vocabulary shards of 96 tokens: 128-token blocks would straddle them and XLA would
   # gather every row's f32 logits onto each chip (Llama 3's 128256 tokens over 4 chips).
