@@ -177,15 +177,16 @@ def _block_stats_one_pass(scaled, blk):
   runs element by element, two to three times slower than the separate passes."""
   b, v = scaled.shape
   x = jnp.pad(scaled, ((0, 0), (0, -v % blk)), constant_values=-jnp.inf).reshape(b, -1, blk)
-  index = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) * blk
-           + jax.lax.broadcasted_iota(jnp.int32, x.shape, 2))
-  init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(x.shape[1] * blk))
-  top, mass, first = jax.lax.reduce((x, (x > -jnp.inf).astype(jnp.float32), index), init,
+  # Indices within the block: a block index times blk here is a launch of its own a step.
+  within = jax.lax.broadcasted_iota(jnp.int32, x.shape, 2)
+  init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(blk))
+  top, mass, first = jax.lax.reduce((x, (x > -jnp.inf).astype(jnp.float32), within), init,
                                     _online, (2,))
   top, mass, first = (constrain(a, ("batch", None)) for a in (top, mass, first))
   peak = jnp.max(top, axis=-1, keepdims=True)
   mass = jnp.where(top > -jnp.inf, mass * jnp.exp(top - peak), 0.0)
-  best = jnp.take_along_axis(first, first_argmax(top, peak)[:, None], axis=-1)[:, 0]
+  block = first_argmax(top, peak)
+  best = block * blk + jnp.take_along_axis(first, block[:, None], axis=-1)[:, 0]
   return peak, mass, best
 
 
