@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.sharding import constrain
+from jaxrl_post.sharding import constrain, on_accelerator
 
 
 def check_sampling(temperature, top_k, top_p, max_tokens,
@@ -172,9 +172,10 @@ def _online(a, b):  # Two (max, sum of exp(x - max), first index of max) -> thei
 def _block_stats_one_pass(scaled, blk):
   """_block_stats reading the row once: each block's max, its mass over that max and its
   argmax in one variadic reduction (the online softmax's), then the [B, nb] blocks brought
-  to the row's max. On a GPU each pass over the f32 logits is the size of a layer's weights
-  at a few hundred rows (131 MB at 256 rows of Llama 3's vocabulary); on a CPU the reduction
-  runs element by element, two to three times slower than the separate passes."""
+  to the row's max. On a GPU or TPU each pass over the f32 logits is a sixth of a 1B
+  layer's weights at a few hundred rows (131 MB at 256 rows of Llama 3's vocabulary), and
+  XLA:TPU writes exp(x - max) out before summing it; on a CPU the reduction runs element
+  by element, two to three times slower than the separate passes."""
   b, v = scaled.shape
   x = jnp.pad(scaled, ((0, 0), (0, -v % blk)), constant_values=-jnp.inf).reshape(b, -1, blk)
   # Indices within the block: a block index times blk here is a launch of its own a step.
@@ -190,11 +191,12 @@ def _block_stats_one_pass(scaled, blk):
   return peak, mass, best
 
 
-def _draw(keys, scaled, one_pass: bool = False):
+def _draw(keys, scaled, one_pass: bool | None = None):
   """(tokens [B], each row's max [B], log of its mass over that max [B], the first index
   of its max [B]) of inverse_cdf_draw: max + log mass is the row's log-sum-exp, so the
-  draw's logprob needs no pass of its own over the row. `one_pass` (static) reads the
-  row once (_block_stats_one_pass: a GPU's form).
+  draw's logprob needs no pass of its own over the row. `one_pass` (static; default: on
+  a GPU or TPU, the platform the program is traced for) reads the row once
+  (_block_stats_one_pass).
 
   The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
   CPU. Here the uniform's share of the row's mass is located first among blocks of
@@ -204,6 +206,7 @@ def _draw(keys, scaled, one_pass: bool = False):
   """
   v = scaled.shape[1]
   blk = _block_size(v)
+  one_pass = on_accelerator() if one_pass is None else one_pass
   stats = _block_stats_one_pass if one_pass else _block_stats
   peak, block_mass, best = stats(scaled, blk)
   # Every block's mass on each row's devices before the cumulative sum: over blocks split
@@ -254,8 +257,7 @@ def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool
 
   `shortcuts` (static): skip, with lax.cond, the passes the rows turn out not to need.
   Without (a GPU's decode loop, where each cond is decided on the host and drains the
-  device) every pass that `truncation` and `draws` keep runs, and the draw reads the row
-  once (_block_stats_one_pass): the same tokens.
+  device) every pass that `truncation` and `draws` keep runs: the same tokens.
   """
   if not draws:  # Greedy generation and evaluation: a smaller program, quicker to compile.
     return _greedy(logits, keys, temperature, top_k, top_p)
@@ -272,9 +274,14 @@ def _greedy(logits, keys, temperature, top_k, top_p):
   del keys, temperature, top_k, top_p
   # The argmax's logit is the row's max: log softmax there is -log sum exp(logits - max),
   # with no gather of the chosen logits (on a TPU, a relayout of the whole row).
-  best = jnp.max(logits, axis=-1, keepdims=True)
-  total = jnp.sum(jnp.exp(logits - best), axis=-1)
-  return first_argmax(logits, best), -jnp.log(total), jnp.full(total.shape, -jnp.inf)
+  if on_accelerator():  # One pass over the row (_block_stats_one_pass).
+    _, mass, token = _block_stats_one_pass(logits, _block_size(logits.shape[-1]))
+    total = jnp.sum(mass, axis=-1)
+  else:
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    total = jnp.sum(jnp.exp(logits - best), axis=-1)
+    token = first_argmax(logits, best)
+  return token, -jnp.log(total), jnp.full(total.shape, -jnp.inf)
 
 
 def _mixed(logits, keys, temperature, top_k, top_p, truncation=True, shortcuts=True):
@@ -288,8 +295,7 @@ def _mixed(logits, keys, temperature, top_k, top_p, truncation=True, shortcuts=T
     cut, floor = jax.lax.cond(needs_cut, truncate, lambda s, k, p: (s, floor), scaled,
                               top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
-  # Without shortcuts (a GPU's decode loop) the row's statistics come from one pass.
-  drawn, peak, log_mass, best = _draw(keys, scaled, one_pass=not shortcuts)
+  drawn, peak, log_mass, best = _draw(keys, scaled)
   # A greedy row's scaled logits are its logits: the draw's max and argmax are its own.
   tokens = jnp.where(greedy, best, drawn)
   picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]

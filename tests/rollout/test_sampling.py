@@ -143,7 +143,7 @@ def test_inverse_cdf_draw_with_small_blocks_matches_the_distribution():
                        seed=5)
 
 
-def test_one_pass_row_statistics_equal_the_separate_passes():
+def test_one_pass_row_statistics_equal_the_separate_passes(monkeypatch):
   """The GPU's one-pass reduction (max, block masses and argmax together) against the
   separate passes: 4,096 tokens in 32 blocks of 128, rows with excluded (-inf) tokens and
   whole excluded blocks, a max tied within and across blocks (the first one wins), and the
@@ -171,6 +171,14 @@ def test_one_pass_row_statistics_equal_the_separate_passes():
            for one in (False, True)]
   np.testing.assert_array_equal(np.asarray(draws[1][0]), np.asarray(draws[0][0]))
   np.testing.assert_allclose(np.asarray(draws[1][2]), np.asarray(draws[0][2]), atol=1e-6)
+  # A greedy batch on an accelerator: the argmax and its logprob from the one pass.
+  greedy = rows[jnp.asarray([0, 3, 4])]
+  want = jax.jit(sampling._greedy)(greedy, None, None, None, None)
+  monkeypatch.setattr(sampling, "on_accelerator", lambda: True)
+  got = jax.jit(sampling._greedy)(greedy, None, None, None, None)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(got[0]), [np.argmax(x[0]), 5, 130])
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
 
 
 def test_sampling_keeps_tensor_sharded_logits_on_their_tpu_chips():
