@@ -144,7 +144,7 @@ def test_inverse_cdf_draw_with_small_blocks_matches_the_distribution():
 
 
 def test_one_pass_row_statistics_equal_the_separate_passes(monkeypatch):
-  """The GPU's one-pass reduction (max, block masses and argmax together) against the
+  """The accelerators' one-pass reduction (max, block masses and argmax together) against the
   separate passes: 4,096 tokens in 32 blocks of 128, rows with excluded (-inf) tokens and
   whole excluded blocks, a max tied within and across blocks (the first one wins), and the
   draws."""
