@@ -127,6 +127,10 @@ def test_a_fusion_reads_of_an_operand_only_what_its_gather_takes_through_element
   whole = _GATHER_AFTER_ELEMENTWISE.replace("%e = f32[64,4096]{1,0} exponential(%d)",
                                             "%e = f32[64,4096]{1,0} reverse(%d), dimensions={1}")
   assert hlo_cost.program_cost(whole).bytes >= 64 * 4096 * 4  # not elementwise: all of it
+  # An elementwise op that is the fusion's output reads every element.
+  output = _GATHER_AFTER_ELEMENTWISE.replace("ROOT %g", "%g").replace(
+      "%e = f32[64,4096]{1,0} exponential(%d)", "ROOT %e = f32[64,4096]{1,0} exponential(%d)")
+  assert hlo_cost.program_cost(output).bytes >= 64 * 4096 * 4
 
 
 def _in_loop(w, x):  # Module-level functions: the sources below are named by them.

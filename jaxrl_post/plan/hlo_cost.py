@@ -275,7 +275,10 @@ class _Walker:
     """Bytes of `full` (a fused operand) read through `value` (the operand, or a view or
     elementwise op of it): a fusion computes such ops only for the elements its slices
     take (a row's chosen logits gathered out of an op over the whole row reads those
-    elements only), so what each path ends in decides."""
+    elements only), so what each path ends in decides; the fusion's own output is every
+    element's."""
+    if value.root:
+      return full
     per_element = full / max(1, math.prod(_dims(value.shape)))
     read = 0.0
     for user in (i for i in body if value.name in i.operands):
