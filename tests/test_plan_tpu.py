@@ -43,6 +43,9 @@ def test_decode_loop_compiles_for_tpu_with_the_paged_mosaic_kernel():
   m = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, mesh=mesh, steps=4,
                               analyse=True)
   assert "paged_attention mosaic" in m.kernels
+  # Sampling takes no lax.cond on a TPU: the logits would cross into it relaid out, a copy
+  # of the whole [B, V] f32 row every step (rollout.programs._shortcuts).
+  assert "conditional" not in m.launches["by_kind"], m.launches
   # The same program traced over CPU devices keeps the jnp path: the mesh decides.
   cpu = plan.decode_loop_memory(CFG, num_slots=16, pages_per_shard=64, steps=4,
                                 mesh=make_mesh(MeshConfig(data=2, tensor=2, fsdp=1),
@@ -131,6 +134,30 @@ def test_a_fusion_reads_of_an_operand_only_what_its_gather_takes_through_element
   output = _GATHER_AFTER_ELEMENTWISE.replace("ROOT %g", "%g").replace(
       "%e = f32[64,4096]{1,0} exponential(%d)", "ROOT %e = f32[64,4096]{1,0} exponential(%d)")
   assert hlo_cost.program_cost(output).bytes >= 64 * 4096 * 4
+
+
+# XLA:TPU's prefetches into VMEM (S(1)): a layer's weight slice and an array copied in.
+_ASYNC_COPIES = """
+ENTRY %main (w: bf16[2,1024,512], x: f32[64,512]) -> (bf16[1,1024,512], f32[64,512]) {
+  %w = bf16[2,1024,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %x = f32[64,512]{1,0:T(8,128)} parameter(1)
+  %ss = ((bf16[2,1024,512]{2,1,0:T(8,128)(2,1)}), bf16[1,1024,512]{2,1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[1:2], [0:1024], [0:512]}
+  %sd = bf16[1,1024,512]{2,1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  %cs = (f32[64,512]{1,0:T(8,128)S(1)}, f32[64,512]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%x)
+  %cd = f32[64,512]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %t = (bf16[1,1024,512]{2,1,0:T(8,128)(2,1)S(1)}, f32[64,512]{1,0:T(8,128)S(1)}) tuple(%sd, %cd)
+}
+"""
+
+
+def test_an_asynchronous_copy_into_vmem_costs_the_read_of_what_it_copies():
+  """A slice-start reads its slice (not the whole operand) and a copy-start its source,
+  once each: the source their tuple names is an alias, the VMEM destination and the -done
+  move nothing in HBM."""
+  cost = hlo_cost.program_cost(_ASYNC_COPIES)
+  assert cost.bytes == 1024 * 512 * 2 + 64 * 512 * 4
+  into_hbm = _ASYNC_COPIES.replace("(2,1)S(1)}, s32", "(2,1)}, s32")
+  assert hlo_cost.program_cost(into_hbm).bytes == 2 * 1024 * 512 * 2 + 64 * 512 * 4
 
 
 def _in_loop(w, x):  # Module-level functions: the sources below are named by them.
@@ -276,13 +303,15 @@ def test_a_moe_models_decode_loop_reads_its_expert_weights_in_place_on_tpu():
   """XLA:TPU copies each layer's expert matrices out of the stacked weights before the
   grouped matmuls read them, so on a TPU mesh the engine holds a mixture-of-experts
   model's weights one buffer per layer (RolloutLayout.build): the loop reads each expert
-  matrix once, where the stacked form reads it, writes the copy and reads that."""
+  matrix once, where the stacked form reads it, writes the copy and reads that. Experts
+  of a real model's size: a layer's small enough to fit in VMEM are prefetched there, a
+  read of HBM either way."""
   from jaxrl_post.models.config import MoeConfig
   from jaxrl_post.plan import memory
 
-  cfg = CFG.replace(hidden_size=256, head_dim=64, param_dtype="bfloat16",
+  cfg = CFG.replace(hidden_size=2048, head_dim=64, param_dtype="bfloat16",
                     compute_dtype="bfloat16",
-                    moe=MoeConfig(num_experts=8, experts_per_token=2, intermediate_size=512))
+                    moe=MoeConfig(num_experts=64, experts_per_token=2, intermediate_size=1024))
   mesh = make_mesh(MeshConfig(fsdp=1, expert=4), tpu_devices("v5e:2x2"))
   assert RolloutLayout.build(cfg, mesh).split_layers
   assert not RolloutLayout.build(CFG, mesh).split_layers  # Dense: read in place anyway.
@@ -292,8 +321,8 @@ def test_a_moe_models_decode_loop_reads_its_expert_weights_in_place_on_tpu():
     args = memory.decode_operands(cfg, 16, 64, 16, 4, "bfloat16", "bfloat16", 8, layout)
     compiled = memory.lower_decode(cfg, *args, 4, layout).compile()
     read[split] = memory.compiled_memory(compiled, analyse=True).cost.bytes
-  # Per device and step: 2 experts x 3 matrices x 2 layers of 256 x 512 bf16 (1.5 MB);
-  # the stacked loop read 2.2x the split one's bytes when this test was written.
-  expert_bytes = 2 * 3 * 2 * 256 * 512 * 2 * 4  # x 4 steps
+  # Per device and step: 16 local experts x 3 matrices x 2 layers of 2048 x 1024 bf16
+  # (403 MB); the stacked loop read 2.2x the split one's bytes when this test was written.
+  expert_bytes = 16 * 3 * 2 * 2048 * 1024 * 2 * 4  # x 4 steps
   assert read[False] - read[True] >= expert_bytes, read
   assert read[True] < 0.6 * read[False], read

@@ -40,7 +40,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s+=\s+(.*)$")
 # Ops that move no data of their own (views, tuples, control, scalars from the runtime).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "fusion-done",
-         "partition-id", "replica-id", "iota", "copy-done", "all-gather-done",
+         "partition-id", "replica-id", "iota", "copy-done", "slice-done", "all-gather-done",
          "all-reduce-done", "collective-permute-done", "send-done", "recv-done",
          "opt-barrier", "add-dependency", "domain"}
 _COLLECTIVES = {"all-gather", "all-gather-start", "all-reduce", "all-reduce-start",
@@ -99,6 +99,33 @@ def shape_bytes(shape: str) -> float:
     dims = match.group(2)
     total += _DTYPE_BYTES[match.group(1)] * math.prod(int(d) for d in dims.split(",") if d)
   return total
+
+
+def _tuple_arrays(shape: str) -> list[tuple[float, bool]]:
+  """(bytes, in HBM) of each array of an HLO type, in order (nested tuples flattened)."""
+  arrays = []
+  for match in _ARRAY.finditer(shape):
+    layout = _LAYOUT.match(shape, match.end())
+    dims = match.group(2)
+    size = _DTYPE_BYTES[match.group(1)] * math.prod(int(d) for d in dims.split(",") if d)
+    arrays.append((size, not (layout and re.search(r"S\([1-9]\d*\)", layout.group(0)))))
+  return arrays
+
+
+def _async_copy_bytes(instr: Instr, operand_shape: str) -> float:
+  """HBM bytes of an asynchronous copy's start (XLA:TPU's prefetches into VMEM): its type
+  is a tuple that also names its source (an alias, not a write) and a context scalar, and
+  its -done moves nothing. copy-start: (destination, source, context); slice-start:
+  ((source), destination, context), the destination being the slice read."""
+  arrays = _tuple_arrays(instr.shape)
+  if instr.opcode == "copy-start":
+    dest = arrays[0]
+    read = shape_bytes(operand_shape)
+  else:
+    dest = arrays[1]
+    source = _tuple_arrays(operand_shape)
+    read = dest[0] if not source or source[0][1] else 0.0
+  return read + (dest[0] if dest[1] else 0.0)
 
 
 def _dims(shape: str) -> list[int]:
@@ -209,6 +236,8 @@ class _Walker:
     return cost
 
   def io_bytes(self, instr: Instr) -> float:
+    if instr.opcode in ("copy-start", "slice-start"):
+      return _async_copy_bytes(instr, self.shapes.get(instr.operands[0], ""))
     if instr.opcode in _SLICES:  # Reads only what it returns.
       return 2 * shape_bytes(instr.shape)
     if instr.opcode in _IN_PLACE:  # Reads and writes only the update.
@@ -487,7 +516,7 @@ def _launch_kind(instr: Instr, comps: dict[str, list[Instr]]) -> str:
     return "matmul" if ("cublas" in instr.attrs or "matmul" in instr.attrs) else "custom_call"
   if instr.opcode in _COLLECTIVES:
     return "collective"
-  if instr.opcode in ("copy", "copy-start"):
+  if instr.opcode in ("copy", "copy-start", "slice-start"):
     return "copy"
   if instr.opcode == "dynamic-slice":
     return "slice_copy"

@@ -192,9 +192,10 @@ def _block_stats_one_pass(scaled, blk):
 
 
 def _draw(keys, scaled, one_pass: bool | None = None):
-  """(tokens [B], each row's max [B], log of its mass over that max [B], the first index
-  of its max [B]) of inverse_cdf_draw: max + log mass is the row's log-sum-exp, so the
-  draw's logprob needs no pass of its own over the row. `one_pass` (static; default: on
+  """(tokens [B], their scaled logits [B], each row's max [B], log of its mass over that
+  max [B], the first index of its max [B]) of inverse_cdf_draw: max + log mass is the
+  row's log-sum-exp and the token's logit is in its block, so the draw's logprob needs no
+  pass of its own over the row. `one_pass` (static; default: on
   a GPU or TPU, the platform the program is traced for) reads the row once
   (_block_stats_one_pass).
 
@@ -225,8 +226,9 @@ def _draw(keys, scaled, one_pass: bool | None = None):
   inner = jnp.where(index < v, jnp.exp(logits - peak), 0.0)  # [B, blk]
   within = jnp.maximum(target - (take(block_cum) - take(block_mass)), 0.0)
   i = jnp.sum(jnp.cumsum(inner, axis=-1) <= within[:, None], axis=-1, dtype=jnp.int32)
-  return (block * blk + jnp.minimum(i, _last_positive(inner)), peak[:, 0],
-          jnp.log(block_cum[:, -1]), best)
+  i = jnp.minimum(i, _last_positive(inner))
+  return (block * blk + i, jnp.take_along_axis(logits, i[:, None], axis=-1)[:, 0],
+          peak[:, 0], jnp.log(block_cum[:, -1]), best)
 
 
 def sample(logits, keys, temperature, top_k, top_p, truncation: bool = True,
@@ -256,8 +258,8 @@ def sample_with_floors(logits, keys, temperature, top_k, top_p, truncation: bool
   (-inf where the row kept the whole vocabulary: no truncation, or greedy).
 
   `shortcuts` (static): skip, with lax.cond, the passes the rows turn out not to need.
-  Without (a GPU's decode loop, where each cond is decided on the host and drains the
-  device) every pass that `truncation` and `draws` keep runs: the same tokens.
+  Without (a GPU's or TPU's programs: rollout.programs._shortcuts) every pass that
+  `truncation` and `draws` keep runs: the same tokens.
   """
   if not draws:  # Greedy generation and evaluation: a smaller program, quicker to compile.
     return _greedy(logits, keys, temperature, top_k, top_p)
@@ -295,8 +297,8 @@ def _mixed(logits, keys, temperature, top_k, top_p, truncation=True, shortcuts=T
     cut, floor = jax.lax.cond(needs_cut, truncate, lambda s, k, p: (s, floor), scaled,
                               top_k, top_p)
   scaled = jnp.where(greedy[:, None], logits, cut)
-  drawn, peak, log_mass, best = _draw(keys, scaled)
+  drawn, drawn_logit, peak, log_mass, best = _draw(keys, scaled)
   # A greedy row's scaled logits are its logits: the draw's max and argmax are its own.
   tokens = jnp.where(greedy, best, drawn)
-  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+  picked = jnp.where(greedy, peak, drawn_logit)
   return tokens, picked - peak - log_mass, jnp.where(greedy, -jnp.inf, floor)
