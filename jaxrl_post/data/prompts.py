@@ -18,7 +18,7 @@ import grain
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import Tokenizer
-from jaxrl_post.rewards import Problem, Task
+from jaxrl_post.rewards import Problem
 from jaxrl_post.rewards.base import SYSTEM
 
 OVERLONG = ("skip", "truncate")

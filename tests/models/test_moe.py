@@ -80,7 +80,7 @@ def test_grouped_matmuls_equal_the_dense_reference(normalise):
 
 
 def test_balance_loss_is_one_when_uniform_and_larger_when_skewed():
-  e, k, n = 4, 2, 8
+  e, n = 4, 8
   uniform_probs = jnp.full((n, e), 1 / e)
   ids = jnp.asarray([[i % e, (i + 1) % e] for i in range(n)])
   valid = jnp.ones((n,), bool)

@@ -121,7 +121,7 @@ def test_a_rows_system_turn_leads_its_prompt():
 def test_wrong_column_types_are_skipped_like_jsonl(tmp_path):
   rows = [{"question": ["a", "list"], "answer": "#### 1"}, {"question": ["Q?"], "answer": "x"}]
   shard = write_parquet(tmp_path / "listy.parquet", rows)
-  good = write_parquet(tmp_path / "good.parquet", GSM8K)
+  write_parquet(tmp_path / "good.parquet", GSM8K)  # The glob below reads it too.
   with pytest.raises(UserError, match=r"listy.parquet: no valid rows \(format=gsm8k; "
                                       r"skipped: missing_field=2\)"):
     JsonlTask(shard, format="gsm8k")

@@ -2,9 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from jaxrl_post.errors import UserError
 from jaxrl_post.rl import OverlongConfig, group_keep_mask, overlong_penalty
 
 

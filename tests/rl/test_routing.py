@@ -8,14 +8,13 @@ policy. A router perturbed on the rollout side makes the disagreement large enou
 measure on a tiny model; a bfloat16 rollout shows the real, rarer one.
 """
 
-import dataclasses
 
 import numpy as np
 import pytest
 
 from jaxrl_post.errors import UserError
 from jaxrl_post.models import ModelConfig, MoeConfig, init_model
-from jaxrl_post.models.transformer import params_of, with_params
+from jaxrl_post.models.transformer import params_of
 from jaxrl_post.rl.losses import LossConfig
 from jaxrl_post.rl.packing import pack
 from jaxrl_post.rl.routing import RoutingReplay

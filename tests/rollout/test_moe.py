@@ -16,7 +16,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxrl_post import models
 from jaxrl_post.models.decode import generate_dense

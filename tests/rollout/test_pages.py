@@ -1,6 +1,5 @@
 """Page pool sizing, reference counting, copy on write and the engine's page accounting."""
 
-import jax
 import numpy as np
 import pytest
 
