@@ -195,9 +195,8 @@ def _draw(keys, scaled, one_pass: bool | None = None):
   """(tokens [B], their scaled logits [B], each row's max [B], log of its mass over that
   max [B], the first index of its max [B]) of inverse_cdf_draw: max + log mass is the
   row's log-sum-exp and the token's logit is in its block, so the draw's logprob needs no
-  pass of its own over the row. `one_pass` (static; default: on
-  a GPU or TPU, the platform the program is traced for) reads the row once
-  (_block_stats_one_pass).
+  pass of its own over the row. `one_pass` (static; default: on a GPU or TPU, the platform
+  the program is traced for) reads the row once (_block_stats_one_pass).
 
   The Gumbel-max draw needs V random numbers per row, most of a sampled decode step on a
   CPU. Here the uniform's share of the row's mass is located first among blocks of
