@@ -91,14 +91,7 @@ class ProgramCost:
 def shape_bytes(shape: str) -> float:
   """HBM bytes of the arrays in an HLO type (tuples summed). An array whose layout names a
   memory space other than 0 (`S(1)`: a TPU's on-chip VMEM) costs no HBM traffic."""
-  total = 0.0
-  for match in _ARRAY.finditer(shape):
-    layout = _LAYOUT.match(shape, match.end())
-    if layout and re.search(r"S\([1-9]\d*\)", layout.group(0)):
-      continue
-    dims = match.group(2)
-    total += _DTYPE_BYTES[match.group(1)] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
+  return sum((size for size, in_hbm in _tuple_arrays(shape) if in_hbm), 0.0)
 
 
 def _tuple_arrays(shape: str) -> list[tuple[float, bool]]:

@@ -8,7 +8,6 @@ policy. A router perturbed on the rollout side makes the disagreement large enou
 measure on a tiny model; a bfloat16 rollout shows the real, rarer one.
 """
 
-
 import numpy as np
 import pytest
 
