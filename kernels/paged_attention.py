@@ -281,12 +281,25 @@ def _paged_kernel_mosaic(pt_ref, len_ref, q_ref, *refs, sm_scale, pages_per_bloc
     lse_ref[...] = lse
 
 
+def held_slot(i, j, pages_per_block, last):
+  """The page-table slot that page input j of page block i reads, for a row whose last
+  page is slot `last`. Pallas copies an input's block in only when its index differs from
+  the step before, so past the row's end each input keeps the page it already holds: in
+  the block with the last page, the inputs beyond it keep the previous block's pages, and
+  every later block repeats that one. A row's pages are then each read once (a row of
+  fewer pages than a block reads its last page again in the spare inputs); the kernels
+  mask keys by position, so what a spare input holds is never used."""
+  tail = jnp.minimum(i, last // pages_per_block)
+  slot = tail * pages_per_block + j
+  before = jnp.where(tail > 0, slot - pages_per_block, last)
+  return jnp.where(slot <= last, slot, before)
+
+
 def _page_index_map(j, pages_per_block, page_size, max_pages):
-  """Index map for page slot j of a step; steps past the length repeat the last page."""
+  """Index map for page input j of a step: held_slot of the row's table."""
   def index_map(b, h, i, pt_ref, len_ref):
     last = jnp.maximum((len_ref[b] + page_size - 1) // page_size - 1, 0)
-    slot = jnp.minimum(i * pages_per_block + j, last)
-    return h, pt_ref[b * max_pages + slot], 0, 0
+    return h, pt_ref[b * max_pages + held_slot(i, j, pages_per_block, last)], 0, 0
   return index_map
 
 

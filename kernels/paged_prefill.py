@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_post.kernels.paged_attention import (
     MASK_VALUE, PagedAttentionConfig, _finish, _online_update, _pages_per_block, _scores,
-    resolve_backend)
+    held_slot, resolve_backend)
 
 _BLOCK_Q = 128  # Query rows (tokens x heads of a group) per program.
 _SHARED_ROWS = 16384  # Triton: query rows (and keys) per block x head_dim, at most.
@@ -199,7 +199,7 @@ def _kernel_mosaic(pages_ref, kseg_ref, kstart_ref, count_ref, q_ref, qpos_ref, 
 
 def _page_index_map(j, pages_per_block, max_pages):
   def index_map(r, h, b, i, pages_ref, kseg_ref, kstart_ref, count_ref):
-    slot = jnp.minimum(i * pages_per_block + j, jnp.maximum(count_ref[r] - 1, 0))
+    slot = held_slot(i, j, pages_per_block, jnp.maximum(count_ref[r] - 1, 0))
     return h, pages_ref[r * max_pages + slot], 0, 0
   return index_map
 

@@ -200,6 +200,42 @@ def test_a_grpo_config_is_planned_with_the_cascade_decode_its_engine_runs():
   assert p.decode.cost.bytes != q.decode.cost.bytes  # Another program.
 
 
+def test_decode_is_predicted_with_the_kv_a_rollout_reads_not_whole_tables():
+  """Kernels read the pages a row has reached; the compiled program declares whole tables.
+  A prompt of 32 tokens and 64 new ones in pages of 16: the table is 6 pages, a step's row
+  holds 3, 4, 5 then 6 of them for 16 steps each (4.5 on average), so 1.5 pages of every
+  row's KV and their attention FLOPs are not read; without a kernel nothing changes."""
+  from types import SimpleNamespace as NS
+
+  from jaxrl_post.models import ModelConfig
+  from jaxrl_post.plan import report
+  from jaxrl_post.plan.hlo_cost import ProgramCost
+  from jaxrl_post.plan.programs import Shapes
+
+  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3,
+                    num_heads=8, num_kv_heads=2, head_dim=16, compute_dtype="bfloat16")
+  shapes = Shapes(samples=32, longest=96, completion_len=64, rows=4, rows_filled=4,
+                  sequences=32, num_slots=8, table_pages=6, page_size=16, group_slots=0,
+                  shared_pages=0, prefill_rows=1, prefill_width=32)
+  exp = NS(prompts=NS(max_prompt_tokens=32),
+           rollout=NS(max_new_tokens=64, engine=NS(kv_dtype=None)))
+  compiled = ProgramCost(1e12, 1e10, 5.0, [])
+
+  def programs(kernels, tensor):
+    mesh = NS(shape={"data": 2, "fsdp": 1, "expert": 1, "tensor": tensor})
+    return NS(decode=NS(cost=compiled, kernels=kernels), shapes=shapes, model=cfg,
+              meshes=NS(rollout=mesh), decode_steps=4)
+
+  for tensor in (1, 2):
+    run = report.decode_as_run(programs(("paged_attention mosaic",), tensor), exp)
+    tokens = 8 // 2 * 1.5 * 16 * 4  # rows per data shard x unread pages x steps
+    kv_bytes = 2 * 2 // tensor * 16 * 2 * 3  # K and V, KV heads per shard, head_dim, bf16
+    assert run.bytes == pytest.approx(1e10 - tokens * kv_bytes)
+    assert run.flops == pytest.approx(1e12 - tokens * 4 * 8 // tensor * 16 * 3)
+    assert run.collective_bytes == 5.0
+  assert report.decode_as_run(programs((), 1), exp) == compiled
+
+
 def test_a_gpu_step_pays_for_each_decode_kernel_and_a_tpu_step_does_not():
   """Decode launches hundreds of small kernels a step; on a GPU each costs the chip's
   kernel_s of device time beyond its bytes (measured on an H100), a TPU runs one program."""

@@ -6,6 +6,9 @@ both with loops at their trip counts), and its collective bytes cross the chip-t
 links; the prediction is the larger of the first two plus the third. On a GPU each kernel
 the decode loop launches adds the chip's kernel_s besides (the decode step launches
 hundreds of small ones; the other programs' kernels are large enough to leave out).
+Decode is predicted with the KV its attention kernels read over a rollout (each row's
+pages up to its length, `decode_as_run`), not the whole page tables the compiled
+program declares for every step.
 Measured steps run slower by what this leaves out (host work, imperfect overlap, kernels
 short of the peaks), which docs/BENCHMARKS.md records against real runs.
 """
@@ -24,7 +27,8 @@ from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_b
 from jaxrl_post.plan.programs import Programs
 from jaxrl_post.plan.targets import Chip, Target
 from jaxrl_post.rollout.layout import batch_shards
-from jaxrl_post.rollout.pages import pool_page_bytes, pool_pages, window_share
+from jaxrl_post.rollout.pages import (pool_page_bytes, pool_pages, window_layers,
+                                      window_share)
 
 PAYLOAD_BYTES_PER_TOKEN = 12  # token id, behaviour logprob, weight version (4 bytes each)
 
@@ -145,9 +149,38 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
   return _Memory(phases, in_flight, kv_per_token, kv_pages, kv_needed, kv_bytes)
 
 
+def decode_as_run(p: Programs, exp) -> ProgramCost:
+  """One decode call's cost over a rollout, as its attention kernels read. The compiled
+  program's kernels declare every row's whole page table read each step (that is the
+  floor decode_bytes_vs_floor compares with); a row's context grows from its prompt to
+  the longest over the rollout, and the kernels read only the pages a row has reached,
+  so a step reads on average (its completion's steps averaged, every row running to the
+  longest) this much less of the global layers' KV, and computes as much less attention.
+  The jnp gather (no kernel in the program: a CPU) reads its whole table: left as
+  compiled. Windowed layers read about a window each step: left as compiled too."""
+  cost, s, cfg = p.decode.cost, p.shapes, p.model
+  if not any("attention" in k for k in p.decode.kernels):
+    return cost
+  prompt = exp.prompts.max_prompt_tokens
+  end = min(s.table_pages * s.page_size, prompt + exp.rollout.max_new_tokens)
+  reached = [-(-tokens // s.page_size) for tokens in range(prompt + 1, end + 1)]
+  unread = s.table_pages - sum(reached) / max(len(reached), 1)  # pages per row per step
+  if unread <= 0:
+    return cost
+  tensor = p.meshes.rollout.shape["tensor"]
+  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  rows = s.num_slots // batch_shards(p.meshes.rollout)
+  tokens = rows * unread * s.page_size * p.decode_steps
+  global_layers = cfg.num_layers - window_layers(cfg)
+  kv_bytes = pool_page_bytes(cfg, 1, kv_dtype, share=0.0) / kv_head_shards(cfg, tensor)
+  flops = 4 * cfg.num_heads / tensor * cfg.head_dim * global_layers
+  return dataclasses.replace(cost, bytes=cost.bytes - tokens * kv_bytes,
+                             flops=cost.flops - tokens * flops)
+
+
 def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
   """(terms, calls) per role over one step: how often each program runs, and its
-  compute, memory and collective seconds on `chip`."""
+  compute, memory and collective seconds on `chip` (decode as decode_as_run reads)."""
   s, r = p.shapes, exp.rollout
   data_shards = batch_shards(p.meshes.rollout)
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
@@ -158,10 +191,10 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
       "train": exp.trainer.minibatches,
       "sync": 1.0 / exp.sync.every_n_steps,
   }
-  programs = {"prefill": p.prefill, "decode": p.decode, "train": p.train_filled,
-              "sync": p.sync}
+  costs = {"prefill": p.prefill.cost, "decode": decode_as_run(p, exp),
+           "train": p.train_filled.cost, "sync": p.sync.cost}
   launches = {"decode": p.decode.launches["total"] * p.decode_steps} if p.decode.launches else {}
-  return {role: _terms(programs[role].cost, chip, n, launches.get(role, 0.0))
+  return {role: _terms(costs[role], chip, n, launches.get(role, 0.0))
           for role, n in calls.items()}, calls
 
 
@@ -177,7 +210,8 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
   predicted["step"] = sum(predicted.values())
   floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
-  cost = {"prefill": p.prefill.cost, "decode": p.decode.cost, "train": p.train_filled.cost}
+  cost = {"prefill": p.prefill.cost, "decode": decode_as_run(p, exp),
+          "train": p.train_filled.cost}
   return Plan(
       target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),

@@ -233,25 +233,44 @@ def pool_specs(layout: RolloutLayout, window: bool) -> KVPool:
   return KVPool(spec, spec, spec, spec) if window else KVPool(spec, spec)
 
 
+def _per_device_attention(layout: RolloutLayout, local_fn, operand_specs, bound,
+                          window: bool = False):
+  """attend(pool, layer, *operands) -> (attn, pool) that runs local_fn(pool, layer,
+  *operands, *bound) on each device's shards: the pool as pool_specs lays it out, the
+  layer index replicated, `bound` the step's operands every layer shares, and the
+  attention out laid out as the first operand (the queries). operand_specs covers
+  operands and bound in that order."""
+  specs = pool_specs(layout, window)
+  local = layout.per_device(local_fn, in_specs=(specs, P(), *operand_specs),
+                            out_specs=(operand_specs[0], specs))
+  return lambda pool, layer, *operands: local(pool, layer, *operands, *bound)
+
+
+def _step_operands(layout: RolloutLayout, page_table, lengths, active,
+                   shared: SharedPrefix | None):
+  """A decode step's per-row operands every layer shares, and their specs."""
+  rows = layout.rows_spec
+  bound = (page_table, lengths, active) + (() if shared is None else (shared,))
+  specs = (rows(2), rows(1), rows(1)) + (
+      () if shared is None else (SharedPrefix(rows(2), rows(1)),))
+  return bound, specs
+
+
 def _decode_attention(layout: RolloutLayout, cfg, page_table, lengths, active,
                       shared: SharedPrefix | None, window_map=None):
   """attend_and_write for `_run_layers`: the per-device decode write + attention."""
-  rows = layout.rows_spec
   heads = layout.heads_spec(3)
-  shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
   window = window_map is not None
-  specs = pool_specs(layout, window)
-  local = layout.per_device(
-      lambda pool, layer, q, k, v, table, lens, act, wmap, *sh: _decode_local(
+  bound, specs = _step_operands(layout, page_table, lengths, active, shared)
+  local = _per_device_attention(
+      layout,
+      lambda pool, layer, q, k, v, wmap, table, lens, act, *sh: _decode_local(
           cfg, pool, layer, q, k, v, table, lens, act, sh[0] if sh else None, wmap),
-      in_specs=(specs, P(), heads, heads, heads, rows(2), rows(1), rows(1),
-                rows(1) if window else P(), *shared_specs),
-      out_specs=(heads, specs))
-  extra = () if shared is None else (shared,)
+      (heads, heads, heads, layout.rows_spec(1) if window else P(), *specs),
+      bound, window)
 
   def attend(pool, layer, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
-    attn, pool = local(pool, layer, q[:, 0], k[:, 0], v[:, 0], page_table, lengths, active,
-                       window_map, *extra)
+    attn, pool = local(pool, layer, q[:, 0], k[:, 0], v[:, 0], window_map)
     return attn[:, None], pool
 
   return attend
@@ -296,31 +315,26 @@ def _prepared_decode(layout: RolloutLayout, cfg, page_table, lengths, active,
   q, k and v leave one product side by side, and the kernels norm and rotate them with
   the step's RoPE tables, made once for every layer."""
   rows = layout.rows_spec
-  heads = layout.heads_spec(3)
-  shared_specs = () if shared is None else (SharedPrefix(rows(2), rows(1)),)
   prep = QKPrep(norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
                 norm_plus_one=cfg.norm_plus_one)
   weights = (P(), P()) if cfg.qk_norm else ()
-  ops_specs = PrepOperands(rows(2), rows(2), *weights)
-  specs = pool_specs(layout, False)
+  bound, specs = _step_operands(layout, page_table, lengths, active, shared)
 
-  def local_fn(pool, layer, qkv, table, lens, act, ops, *sh):
+  def local_fn(pool, layer, qkv, ops, table, lens, act, *sh):
     return _decode_local(cfg, pool, layer, qkv, None, None, table, lens, act,
                          sh[0] if sh else None, prep=(prep, ops))
 
-  local = layout.per_device(
-      local_fn, in_specs=(specs, P(), heads, rows(2), rows(1), rows(1), ops_specs,
-                          *shared_specs), out_specs=(heads, specs))
+  local = _per_device_attention(
+      layout, local_fn, (layout.heads_spec(3), PrepOperands(rows(2), rows(2), *weights),
+                         *specs), bound)
   cos, sin = rope_tables_at(cfg, lengths)  # [B, hd/2] each
-  extra = () if shared is None else (shared,)
   shards = layout.mesh.shape["tensor"] if layout.kv_axis else 1
 
   def project(x, p, layer):
     return qkv_side_by_side(cfg, x, p, shards), *qk_norm_weights(cfg, p)
 
   def attend(pool, layer, qkv, q_scale, k_scale):  # qkv [B, 1, Hq + 2 Hkv, D]
-    ops = PrepOperands(cos, sin, q_scale, k_scale)
-    attn, pool = local(pool, layer, qkv[:, 0], page_table, lengths, active, ops, *extra)
+    attn, pool = local(pool, layer, qkv[:, 0], PrepOperands(cos, sin, q_scale, k_scale))
     return attn[:, None], pool
 
   return project, attend
@@ -382,14 +396,12 @@ def _prefill_attention(layout: RolloutLayout, cfg, rows: PackedRows, window_map=
   row_specs = rows._replace(**{f: layout.rows_spec(2) for f in rows._fields})
   heads = layout.heads_spec(4)
   window = window_map is not None
-  specs = pool_specs(layout, window)
-  local = layout.per_device(
+  return _per_device_attention(
+      layout,
       lambda pool, layer, q, k, v, r, wmap: _prefill_local(cfg, pool, layer, q, k, v, r,
                                                             wmap),
-      in_specs=(specs, P(), heads, heads, heads, row_specs,
-                layout.rows_spec(1) if window else P()),
-      out_specs=(heads, specs))
-  return lambda pool, layer, q, k, v: local(pool, layer, q, k, v, rows, window_map)
+      (heads, heads, heads, row_specs, layout.rows_spec(1) if window else P()),
+      (rows, window_map), window)
 
 
 def prefill_packed(model: Transformer, pool: KVPool, rows: PackedRows, last,

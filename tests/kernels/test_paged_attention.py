@@ -51,6 +51,23 @@ def test_matches_reference(backend, dtype, page_size, group):
            block_kv=2 * page_size, num_splits=2)
 
 
+@pytest.mark.parametrize("pages_per_block", [1, 2, 8])
+def test_the_tpu_kernels_read_each_page_of_a_row_once(pages_per_block):
+  """What the Mosaic kernels' page inputs fetch over a row's page blocks (Pallas copies an
+  input in only when its index changes from the step before): every page the row reached,
+  none past its last, and no page twice unless the row is shorter than one block."""
+  from jaxrl_post.kernels.paged_attention import held_slot
+
+  blocks = 5
+  for last in range(blocks * pages_per_block):
+    fetched = []
+    for j in range(pages_per_block):
+      held = [int(held_slot(i, j, pages_per_block, last)) for i in range(blocks)]
+      fetched += [s for n, s in enumerate(held) if n == 0 or s != held[n - 1]]
+    assert max(fetched) <= last and set(range(last + 1)) <= set(fetched), (last, fetched)
+    assert len(fetched) == max(last + 1, pages_per_block), (last, fetched)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_masks_keys_behind_it(backend):
   """Gemma 3's sliding layers: a window of 11 over pages of 8, the query late in a page,
