@@ -178,9 +178,9 @@ def decode_as_run(p: Programs, exp) -> ProgramCost:
                              flops=cost.flops - tokens * flops)
 
 
-def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
+def _roofline(p: Programs, exp, chip: Chip, decode: ProgramCost) -> tuple[dict, dict]:
   """(terms, calls) per role over one step: how often each program runs, and its
-  compute, memory and collective seconds on `chip` (decode as decode_as_run reads)."""
+  compute, memory and collective seconds on `chip` (`decode`: decode_as_run's cost)."""
   s, r = p.shapes, exp.rollout
   data_shards = batch_shards(p.meshes.rollout)
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
@@ -191,8 +191,8 @@ def _roofline(p: Programs, exp, chip: Chip) -> tuple[dict, dict]:
       "train": exp.trainer.minibatches,
       "sync": 1.0 / exp.sync.every_n_steps,
   }
-  costs = {"prefill": p.prefill.cost, "decode": decode_as_run(p, exp),
-           "train": p.train_filled.cost, "sync": p.sync.cost}
+  costs = {"prefill": p.prefill.cost, "decode": decode, "train": p.train_filled.cost,
+           "sync": p.sync.cost}
   launches = {"decode": p.decode.launches["total"] * p.decode_steps} if p.decode.launches else {}
   return {role: _terms(costs[role], chip, n, launches.get(role, 0.0))
           for role, n in calls.items()}, calls
@@ -205,13 +205,13 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
   mem = _memory_plan(p, exp, chip.hbm_bytes if memory_stats else None)
   peak = max(mem.phases.values())
   fits = peak <= chip.hbm_bytes and mem.kv_pages * s.page_size >= mem.kv_needed
-  terms, calls = _roofline(p, exp, chip)
+  decode = decode_as_run(p, exp)
+  terms, calls = _roofline(p, exp, chip, decode)
   predicted = {role: _seconds(t) for role, t in terms.items()}
   predicted["step"] = sum(predicted.values())
   floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
-  cost = {"prefill": p.prefill.cost, "decode": decode_as_run(p, exp),
-          "train": p.train_filled.cost}
+  cost = {"prefill": p.prefill.cost, "decode": decode, "train": p.train_filled.cost}
   return Plan(
       target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
