@@ -211,6 +211,7 @@ def test_decode_is_predicted_with_the_kv_a_rollout_reads_not_whole_tables():
   from jaxrl_post.plan import report
   from jaxrl_post.plan.hlo_cost import ProgramCost
   from jaxrl_post.plan.programs import Shapes
+  from jaxrl_post.rollout import EngineConfig
 
   cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3,
                     num_heads=8, num_kv_heads=2, head_dim=16, compute_dtype="bfloat16")
@@ -218,7 +219,7 @@ def test_decode_is_predicted_with_the_kv_a_rollout_reads_not_whole_tables():
                   sequences=32, num_slots=8, table_pages=6, page_size=16, group_slots=0,
                   shared_pages=0, prefill_rows=1, prefill_width=32)
   exp = NS(prompts=NS(max_prompt_tokens=32),
-           rollout=NS(max_new_tokens=64, engine=NS(kv_dtype=None)))
+           rollout=NS(max_new_tokens=64, engine=EngineConfig()))
   compiled = ProgramCost(1e12, 1e10, 5.0, [])
 
   def programs(kernels, tensor):

@@ -139,7 +139,7 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
         cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
         micro_batches=exp.trainer.micro_batches, sequences=s.sequences,
         reference_dtype=exp.reference.dtype, analyse=True).compiled
-  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  kv_dtype = exp.rollout.engine.pool_dtype(cfg)
   wdt = exp.sync.rollout_dtype
   steps = exp.rollout.engine.decode_steps
   per_shard = s.num_slots // layout.data_shards

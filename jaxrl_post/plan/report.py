@@ -115,7 +115,7 @@ def _memory_plan(p: Programs, exp, capacity: Optional[float]) -> _Memory:
 
   s, cfg, train = p.shapes, p.model, p.train
   tensor, data = p.meshes.rollout.shape["tensor"], batch_shards(p.meshes.rollout)
-  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  kv_dtype = exp.rollout.engine.pool_dtype(cfg)
   kv_shards = kv_head_shards(cfg, tensor)
   # A window pool (Gemma 3's sliding layers) holds about a window per sequence: its share
   # of a token's bytes, as the engine sizes it (rollout.pages.window_share).
@@ -168,7 +168,7 @@ def decode_as_run(p: Programs, exp) -> ProgramCost:
   if unread <= 0:
     return cost
   tensor = p.meshes.rollout.shape["tensor"]
-  kv_dtype = exp.rollout.engine.kv_dtype or cfg.compute_dtype
+  kv_dtype = exp.rollout.engine.pool_dtype(cfg)
   rows = s.num_slots // batch_shards(p.meshes.rollout)
   tokens = rows * unread * s.page_size * p.decode_steps
   global_layers = cfg.num_layers - window_layers(cfg)

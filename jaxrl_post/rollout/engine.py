@@ -110,7 +110,7 @@ class Engine(SlotBook, Prefilling, CompileAheadMixin):
     self.shards = self.layout.data_shards
     self.prefix_caches: list[PrefixCache] = []
     self.set_weights(params, version)
-    self.kv_dtype = jnp.dtype(config.kv_dtype or model_config.compute_dtype)
+    self.kv_dtype = config.pool_dtype(model_config)
     self.page_size = config.pool.page_size
     kv_shards = self.layout.mesh.shape["tensor"] if self.layout.kv_axis else 1
     context = model_config.max_position_embeddings

@@ -81,6 +81,13 @@ class EngineConfig:
       raise UserError(f"engine config: num_slots ({self.num_slots}) must be a multiple of "
                       f"group_slots ({self.group_slots})")
 
+  def pool_dtype(self, model_config):
+    """The KV pool's dtype for model_config: kv_dtype, else the model's compute dtype (the
+    engine allocates this; plan sizes and prices the pool with it)."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(self.kv_dtype or model_config.compute_dtype)
+
   def sized_for(self, num_sequences: int, capacity: int | None = None) -> "EngineConfig":
     """This config with slots for decoding num_sequences at once.
 
