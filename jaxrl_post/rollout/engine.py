@@ -40,7 +40,6 @@ import functools
 from typing import NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
