@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import FLOAT_DTYPES
 from jaxrl_post.sharding import hosts
 from jaxrl_post.sharding.mesh import AXES
 from jaxrl_post.sharding.placement import Meshes
@@ -43,7 +44,7 @@ class SyncConfig:
   def __post_init__(self):
     if not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
       raise UserError(f"sync config: every_n_steps must be >= 1, got {self.every_n_steps!r}")
-    if self.rollout_dtype not in ("bfloat16", "float16", "float32"):
+    if self.rollout_dtype not in FLOAT_DTYPES:
       raise UserError(f"sync config: rollout_dtype={self.rollout_dtype!r} is not a float dtype")
 
 

@@ -7,6 +7,10 @@ from typing import Optional
 
 from jaxrl_post.errors import UserError
 
+# The dtypes a model's parameters, its activations, the rollout weights and the KV pool
+# may take (configs name them as strings).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
 # Activation-checkpointing policies for the scanned layer (see transformer.remat_policy).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "factors")
@@ -150,7 +154,7 @@ class ModelConfig:
       raise UserError(f"model config: rope_scaling kind {self.rope_scaling.kind!r} is not "
                       f"supported (supported: {ROPE_SCALING_TYPES})")
     for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+      if getattr(self, name) not in FLOAT_DTYPES:
         raise UserError(f"model config: {name}={getattr(self, name)!r} is not a float dtype")
     if self.moe is not None and self.lora is not None:
       mlp = sorted(set(self.lora.targets) & {"w_gate", "w_up", "w_down"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_post.errors import UserError
+from jaxrl_post.models.config import FLOAT_DTYPES
 from jaxrl_post.rollout.pages import PoolConfig
 
 
@@ -80,6 +81,9 @@ class EngineConfig:
     if self.group_slots and self.num_slots is not None and self.num_slots % self.group_slots:
       raise UserError(f"engine config: num_slots ({self.num_slots}) must be a multiple of "
                       f"group_slots ({self.group_slots})")
+    if self.kv_dtype is not None and self.kv_dtype not in FLOAT_DTYPES:
+      raise UserError(f"engine config: kv_dtype={self.kv_dtype!r} is not one of "
+                      f"{FLOAT_DTYPES} (None: the model's compute dtype)")
 
   def pool_dtype(self, model_config):
     """The KV pool's dtype for model_config: kv_dtype, else the model's compute dtype (the

@@ -31,6 +31,8 @@ def _run_main(capsys, tmp_path, *params, gin_file=QUICKSTART):
     ("PromptConfig.overlong = 'drop'", "overlong='drop'"),
     ("ArithmeticTask.operators = ('+', '^')", "^"),
     ("TrainerConfig.minibatches = 3", "do not split"),
+    ("EngineConfig.kv_dtype = 'float8'", "kv_dtype='float8' is not one of"),
+    ("SyncConfig.rollout_dtype = 'int8'", "rollout_dtype='int8' is not a float dtype"),
     ("RolloutSpec.group_size = ", "gin"),
     ("RolloutSpec.group_size = (", "--gin_param='RolloutSpec.group_size = (': unexpected EOF"),
 ])
