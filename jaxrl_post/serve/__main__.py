@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import Optional, Sequence
 
@@ -23,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
                               description="A Tinker-compatible LoRA training and sampling "
                                           "service over one base model.")
   p.add_argument("--host", default="127.0.0.1")
-  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--port", type=_port, default=8000)
   p.add_argument("--model", default="smollm2-135m-instruct",
                  help="an embedded model name, a Hugging Face model directory or a GGUF file")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
@@ -34,6 +35,32 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
   compile_cache.add_cache_flag(p)
   return p
+
+
+def _port(text: str) -> int:
+  """An argparse type: a TCP port (uvicorn hangs on one past 65535 instead of failing)."""
+  port = int(text)
+  if not 1 <= port <= 65535:
+    raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+  return port
+
+
+def listen(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port, taken before the model loads: a port in use or a host
+  that is not this machine's is a one-line error at once, not after a minute of loading."""
+  try:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+  except OSError as e:
+    raise UserError(f"--host={host}: {e.strerror or e}") from None
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise UserError(f"--host={host} --port={port}: cannot listen there "
+                    f"({e.strerror or e})") from None
+  return sock
 
 
 def build_service(args: argparse.Namespace):
@@ -76,21 +103,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   try:
-    compile_cache.enable(args.compilation_cache)
-    service = build_service(args)
+    sock = listen(args.host, args.port)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import uvicorn
+  with sock:
+    try:
+      compile_cache.enable(args.compilation_cache)
+      service = build_service(args)
+    except UserError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    import uvicorn
 
-  from jaxrl_post.serve.app import build
+    from jaxrl_post.serve.app import build
 
-  print(f"serving {args.model} at http://{args.host}:{args.port} (workdir {service.store.root})",
-        flush=True)
-  try:
-    uvicorn.run(build(service), host=args.host, port=args.port, log_level="warning")
-  finally:
-    service.close()
+    print(f"serving {args.model} at http://{args.host}:{args.port} "
+          f"(workdir {service.store.root})", flush=True)
+    try:
+      uvicorn.Server(uvicorn.Config(build(service), log_level="warning")).run(sockets=[sock])
+    finally:
+      service.close()
   return 0
 
 

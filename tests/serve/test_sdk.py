@@ -245,3 +245,24 @@ def test_a_workdir_that_is_a_file_is_one_line_error_before_the_model_loads(tmp_p
   err = capsys.readouterr().err
   assert err == f"error: --workdir={tmp_path / 'taken'}: cannot be used as a directory " \
                 f"(File exists: {tmp_path / 'taken'})\n", err
+
+
+def test_a_port_in_use_or_out_of_range_is_one_line_error_before_the_model_loads(tmp_path,
+                                                                                 capsys):
+  """The port is taken before the model loads (a bogus --model here would fail later), and
+  a port past 65535, on which uvicorn hangs, is refused by the flag itself."""
+  import socket
+
+  from jaxrl_post.serve.__main__ import main
+
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert main([f"--port={port}", f"--workdir={tmp_path}", "--model=/no/such/model"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: --host=127.0.0.1 --port={port}: cannot listen there (")
+  assert err.count("\n") == 1, err
+  with pytest.raises(SystemExit):
+    main(["--port=99999", f"--workdir={tmp_path}"])
+  assert "argument --port: 99999 is not a TCP port (1-65535)" in capsys.readouterr().err
