@@ -1,6 +1,7 @@
 """Held-out evaluation on its own: python -m jaxrl_post.evaluate --gin_file=configs/X.gin.
 
-  --gin_file, --gin_param   the run's config (task, eval size, prompts, engine, placement)
+  --gin_file, --gin_param   the run's config (task, eval size, prompts, engine, placement);
+                            with --checkpoint and no --gin_file, the run's own config.gin
   --gin_import MODULE       import a module of your own tasks (jaxrl_post.register) first
   --checkpoint WORKDIR      evaluate a run's checkpoint (newest, or --step N)
   --model NAME_OR_PATH      or a model: embedded name, GGUF file, Hugging Face directory
@@ -27,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 from typing import Callable
 
@@ -37,7 +39,8 @@ from jaxrl_post.errors import UserError
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m jaxrl_post.evaluate",
                               description="Held-out greedy accuracy of a policy.")
-  p.add_argument("--gin_file", action="append", default=[], help="gin config file")
+  p.add_argument("--gin_file", action="append", default=[],
+                 help="gin config file (default with --checkpoint: the run's config.gin)")
   p.add_argument("--gin_param", action="append", default=[], help="one gin binding")
   plugins.add_import_flag(p)
   p.add_argument("--checkpoint", default=None, metavar="WORKDIR", help="a run's checkpoint")
@@ -129,13 +132,22 @@ def read_lines(task) -> list[str]:
   return [report.line() for report in task.reads] if isinstance(task, ReadsFiles) else []
 
 
+def _run_config(checkpoint: str | None) -> list[str]:
+  """Without --gin_file: a checkpoint's run is evaluated as it evaluated itself, on the
+  task and eval settings of the config.gin it wrote."""
+  path = checkpoint and os.path.join(checkpoint, "config.gin")
+  if not path or not os.path.isfile(path):
+    raise UserError("no config: pass --gin_file=configs/<name>.gin" + (
+        f" ({checkpoint} has no config.gin)" if checkpoint else ""))
+  return [path]
+
+
 def run(args, say: Callable[[str], None] = print) -> dict:
   from jaxrl_post.pipeline import config
 
-  if not args.gin_file:
-    raise UserError("no config: pass --gin_file=configs/<name>.gin")
+  gin_files = args.gin_file or _run_config(args.checkpoint)
   plugins.import_modules(args.gin_import)
-  config.parse(args.gin_file, args.gin_param)
+  config.parse(gin_files, args.gin_param)
   exp = config.build_experiment()
   for line in read_lines(exp.task):  # Before the model loads: a data mistake shows at once.
     say(line)

@@ -294,13 +294,25 @@ def test_gguf_model_exported_and_loaded_back_gives_the_same_greedy_tokens(tmp_pa
 # ------------------------------------------------------------------ evaluate
 
 
-@pytest.mark.parametrize("step", [0, 1])
-def test_evaluate_on_its_own_gives_the_runs_eval_metrics(run_dir, step, capsys):
+def test_evaluate_without_a_config_says_what_is_missing(tmp_path, capsys):
   from jaxrl_post import evaluate
 
   capsys.readouterr()
-  assert evaluate.main([f"--gin_file={run_dir}/config.gin", "--checkpoint", run_dir,
-                        "--step", str(step), "--json"]) == 0
+  assert evaluate.main([]) == 2
+  assert capsys.readouterr().err == "error: no config: pass --gin_file=configs/<name>.gin\n"
+  assert evaluate.main(["--checkpoint", str(tmp_path)]) == 2
+  assert capsys.readouterr().err == ("error: no config: pass --gin_file=configs/<name>.gin "
+                                     f"({tmp_path} has no config.gin)\n")
+
+
+@pytest.mark.parametrize("step,config", [(0, "--gin_file"), (1, None)])
+def test_evaluate_on_its_own_gives_the_runs_eval_metrics(run_dir, step, config, capsys):
+  """With the run's config.gin named, and without it (--checkpoint then reads it)."""
+  from jaxrl_post import evaluate
+
+  capsys.readouterr()
+  named = [f"--gin_file={run_dir}/config.gin"] if config else []
+  assert evaluate.main([*named, "--checkpoint", run_dir, "--step", str(step), "--json"]) == 0
   got = json.loads(capsys.readouterr().out)
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     logged = [json.loads(line) for line in f]
