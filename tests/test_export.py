@@ -21,8 +21,9 @@ import pytest
 import tokenizers
 
 from jaxrl_post import export, generate, models
+from jaxrl_post.errors import UserError
 from jaxrl_post.models.decode import generate_dense
-from jaxrl_post.models.hf_export import merge_lora, save_pretrained
+from jaxrl_post.models.hf_export import merge_lora, parse_size, save_pretrained
 from jaxrl_post.models.tokenizer import char_tokenizer
 from jaxrl_post.models.transformer import init_lora, init_model, params_of, with_params
 from jaxrl_post.pipeline.trained import load_trained
@@ -210,6 +211,20 @@ def test_export_tokenizer_files_reload(run_dir, tmp_path):
   assert back.stop_ids == ours.stop_ids and back.bos_id == ours.bos_id
   with open(os.path.join(out, "tokenizer_config.json")) as f:
     assert json.load(f)["chat_template"] == ours.chat_template
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 1000**3), ("2GiB", 2 * 1024**3),
+                                       ("200mb", 200 * 1000**2), ("60KiB", 60 * 1024),
+                                       ("1.5GB", 1_500_000_000), ("1000000", 1_000_000)])
+def test_shard_sizes_read_as_transformers_reads_them(text, size):
+  assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text,message", [("0", "must be at least one byte"),
+                                          ("5 GBs", "expected a size like 5GB")])
+def test_a_shard_size_of_nothing_or_no_size_is_a_user_error(text, message):
+  with pytest.raises(UserError, match=message):
+    parse_size(text)
 
 
 def test_export_shards_large_weights_with_an_index(run_dir, tmp_path):

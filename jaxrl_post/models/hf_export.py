@@ -244,13 +244,17 @@ def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def parse_size(text: str) -> int:
-  """'5GB', '200MB', '60KB' or a byte count -> bytes (transformers' max_shard_size style)."""
+  """'5GB', '200MB', '60KB', '2GiB' or a byte count -> bytes (transformers' max_shard_size
+  style: KB/MB/GB in powers of 1000, KiB/MiB/GiB in powers of 1024)."""
   m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
   if not m:
     raise UserError(f"max shard size {text!r}: expected a size like 5GB, 200MB or 1000000")
-  unit = (m.group(2) or "B").upper().replace("I", "")
-  scale = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3}[unit]
-  return int(float(m.group(1)) * scale)
+  unit = (m.group(2) or "B").upper()
+  base = 1024 if "I" in unit else 1000
+  size = int(float(m.group(1)) * base ** "BKMG".index(unit[0]))
+  if size < 1:
+    raise UserError(f"max shard size {text!r}: must be at least one byte")
+  return size
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], out_dir: str,
