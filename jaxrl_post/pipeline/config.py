@@ -475,9 +475,42 @@ def _check_unscoped_bindings() -> None:
                     f"{' and '.join(shared[name])}; bind {scoped}")
 
 
+def _references(value: Any):
+  """The gin references (`@scope/Name()`) inside a bound value, lists and dicts included."""
+  if isinstance(value, gin.config.ConfigurableReference):
+    yield value
+  elif isinstance(value, (list, tuple)):
+    for item in value:
+      yield from _references(item)
+  elif isinstance(value, dict):
+    for item in value.values():
+      yield from _references(item)
+
+
+def _check_scoped_bindings() -> None:
+  """A scoped binding of a config class must name a scope one is built in: gin ignores
+  `engin/EngineConfig.num_slots = 4` (a typo), and the run would go on without it. A
+  class's scopes are the fields it is built at (places) and the scopes of references."""
+  where = places()
+  scopes = {name: {path.rsplit(".", 1)[-1] for path in paths} for name, paths in where.items()}
+  for params in gin.config._CONFIG.values():  # gin keeps no public view.
+    for value in params.values():
+      for ref in _references(value):
+        scopes.setdefault(ref.configurable.name, set()).add("/".join(ref.scopes))
+  for (scope, selector), params in gin.config._CONFIG.items():
+    name = selector.rsplit(".", 1)[-1]
+    if not scope or not params or name not in CONFIGURABLES or scope in scopes.get(name, ()):
+      continue
+    built = (f"; {name} is built at {' and '.join(where[name])}" if name in where else
+             f"; no reference @{scope}/{name}() uses it")
+    raise UserError(f"gin: {scope}/{name}.{sorted(params)[0]} reaches nothing: no {name} is "
+                    f"built in scope '{scope}'{built}")
+
+
 def build_experiment() -> Experiment:
   """The whole config tree, built (and validated) through the gin bindings."""
   _check_unscoped_bindings()
+  _check_scoped_bindings()
   try:
     exp = CONFIGURABLES["Experiment"]()
   except UserError as e:
@@ -489,6 +522,7 @@ def build_experiment() -> Experiment:
 
 def build(name: str) -> Any:
   """One registered config class (e.g. a command's own), built through the gin bindings."""
+  _check_scoped_bindings()
   try:
     return CONFIGURABLES[name]()
   except UserError as e:

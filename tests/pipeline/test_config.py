@@ -123,6 +123,24 @@ def test_a_scoped_binding_reaches_only_its_place(tmp_path):
   assert exp.trainer.gae.gamma == 0.9 and exp.advantage.gamma != 0.9
 
 
+def test_a_scoped_binding_that_reaches_nothing_is_an_error_naming_the_places(capsys,
+                                                                           tmp_path):
+  """gin ignores a binding in a scope nothing is built in (a typo in the scope): the run
+  would go on without it. A scope a reference opens (`@bar/ArithmeticTask()`) counts."""
+  rc, err = _run_main(capsys, tmp_path, "trainer_mseh/MeshConfig.fsdp = 4")
+  assert rc == 2 and err.count("\n") == 1, err
+  assert err == ("error: gin: trainer_mseh/MeshConfig.fsdp reaches nothing: no MeshConfig is "
+                 "built in scope 'trainer_mseh'; MeshConfig is built at "
+                 "Experiment.placement.trainer_mesh and Experiment.placement.rollout_mesh\n")
+  rc, err = _run_main(capsys, tmp_path, "bar/ArithmeticTask.num_eval = 4")
+  assert rc == 2 and "no ArithmeticTask is built in scope 'bar'" in err
+  assert not (tmp_path / "run").exists()
+  exp, _ = train.prepare([f"--gin_file={QUICKSTART}", f"--workdir={tmp_path}",
+                          "--gin_param=Experiment.task = @bar/ArithmeticTask()",
+                          "--gin_param=bar/ArithmeticTask.num_eval = 4"])
+  assert exp.task.num_eval == 4
+
+
 def test_every_place_of_a_class_has_its_own_scope():
   for name, where in config.places().items():
     scopes = [w.rsplit(".", 1)[-1] for w in where]
