@@ -21,7 +21,10 @@ import dataclasses
 import inspect
 import io
 import os
+import functools
 import tokenize
+import types
+import typing
 from typing import Any, Callable, Mapping, Optional
 
 import gin
@@ -348,6 +351,8 @@ def _build(cls: type, default: Any = None, given: Optional[dict] = None) -> Any:
   the same way inside a gin scope named after the field, so bindings reach it.
   """
   kwargs = dict(given) if given is not None else gin.get_bindings(_NAMES[cls])
+  for name, value in kwargs.items():
+    _check_type(cls, name, value)
   for field in dataclasses.fields(cls):
     if field.name in kwargs or not field.init:  # init=False: the class computes it
       continue
@@ -366,6 +371,44 @@ def _build(cls: type, default: Any = None, given: Optional[dict] = None) -> Any:
         value = _build(type(value), value)
     kwargs[field.name] = value
   return cls(**kwargs)
+
+
+# What a bound value of a plain field type must be, as the error says it.
+_PLAIN = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
+
+
+@functools.cache
+def _plain_types(cls: type) -> dict[str, tuple[type, ...]]:
+  """Field -> the plain types it takes (None included where Optional), for the fields whose
+  annotation is int, float, str or bool, alone or Optional; a class whose annotations do
+  not resolve (a user's) gets none checked."""
+  try:
+    hints = typing.get_type_hints(cls)
+  except Exception:  # noqa: BLE001 (a user's forward reference: its constructor checks)
+    return {}
+  out = {}
+  for name, hint in hints.items():
+    args = (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+            else (hint,))
+    if all(a in _PLAIN or a is type(None) for a in args):
+      out[name] = args
+  return out
+
+
+def _check_type(cls: type, name: str, value: Any) -> None:
+  """A gin value of the wrong plain type (`num_slots = 'many'`) is one error naming the
+  field, not a comparison failing inside the class's checks."""
+  allowed = _plain_types(cls).get(name)
+  if allowed is None or isinstance(value, gin.config.ConfigurableReference):
+    return
+  ok = any(value is None if a is type(None) else
+           isinstance(value, bool) if a is bool else
+           isinstance(value, (int, float)) and not isinstance(value, bool) if a is float else
+           isinstance(value, a) and not isinstance(value, bool) for a in allowed)
+  if not ok:
+    what = " or ".join(_PLAIN[a] for a in allowed if a in _PLAIN)
+    what += " or None" if type(None) in allowed else ""
+    raise UserError(f"config: {cls.__name__}.{name} = {value!r} is not {what}")
 
 
 def _register(cls: type) -> None:

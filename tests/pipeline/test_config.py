@@ -33,6 +33,10 @@ def _run_main(capsys, tmp_path, *params, gin_file=QUICKSTART):
     ("TrainerConfig.minibatches = 3", "do not split"),
     ("EngineConfig.kv_dtype = 'float8'", "kv_dtype='float8' is not one of"),
     ("SyncConfig.rollout_dtype = 'int8'", "rollout_dtype='int8' is not a float dtype"),
+    ("EngineConfig.num_slots = 'many'", "EngineConfig.num_slots = 'many' is not an integer "
+                                        "or None"),
+    ("OptimizerConfig.learning_rate = 'fast'", "learning_rate = 'fast' is not a number"),
+    ("Experiment.steps = True", "Experiment.steps = True is not an integer"),
     ("RolloutSpec.group_size = ", "gin"),
     ("RolloutSpec.group_size = (", "--gin_param='RolloutSpec.group_size = (': unexpected EOF"),
 ])
