@@ -18,10 +18,10 @@ mistake surfaces before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import os
-import functools
 import tokenize
 import types
 import typing
