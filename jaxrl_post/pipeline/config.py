@@ -395,17 +395,25 @@ def _plain_types(cls: type) -> dict[str, tuple[type, ...]]:
   return out
 
 
+def _takes(kind: type, value: Any) -> bool:
+  """Whether a field of plain type `kind` takes `value`: a bool is no number (True is an
+  int to Python), an int is a float."""
+  if kind is type(None):
+    return value is None
+  if kind is bool:
+    return isinstance(value, bool)
+  if isinstance(value, bool):
+    return False
+  return isinstance(value, (int, float) if kind is float else kind)
+
+
 def _check_type(cls: type, name: str, value: Any) -> None:
   """A gin value of the wrong plain type (`num_slots = 'many'`) is one error naming the
   field, not a comparison failing inside the class's checks."""
   allowed = _plain_types(cls).get(name)
   if allowed is None or isinstance(value, gin.config.ConfigurableReference):
     return
-  ok = any(value is None if a is type(None) else
-           isinstance(value, bool) if a is bool else
-           isinstance(value, (int, float)) and not isinstance(value, bool) if a is float else
-           isinstance(value, a) and not isinstance(value, bool) for a in allowed)
-  if not ok:
+  if not any(_takes(kind, value) for kind in allowed):
     what = " or ".join(_PLAIN[a] for a in allowed if a in _PLAIN)
     what += " or None" if type(None) in allowed else ""
     raise UserError(f"config: {cls.__name__}.{name} = {value!r} is not {what}")
