@@ -9,11 +9,11 @@ again until max_turns.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Sequence
 
 from jaxrl_post.envs.base import Environment, Step
 from jaxrl_post.rewards.base import Problem, check_int
-from jaxrl_post.rewards.humaneval import DEFAULT_TEMPLATE, HumanEvalTask
+from jaxrl_post.rewards.humaneval import HumanEvalSource, HumanEvalTask
 
 DEFAULT_FEEDBACK = ("The tests failed ({status}: {reason}). Reply with the whole corrected "
                     "function in a ```python block.")
@@ -40,29 +40,21 @@ class _Attempts:
 
 
 @dataclasses.dataclass(frozen=True)
-class HumanEvalFeedback(Environment):
-  """Attributes: those of rewards.HumanEvalTask, plus
+class HumanEvalFeedback(HumanEvalSource, Environment):
+  """Attributes: those of rewards.HumanEvalSource (the problems, prompt and sandbox
+  limits, as for the single-turn task), plus
     max_turns: attempts per episode.
     feedback: the observation after a failed attempt ({status}, {reason}).
   """
 
   name: ClassVar[str] = "humaneval_feedback"
 
-  path: Optional[str] = None
-  seed: int = 0
-  num_eval: int = 40
-  num_train: Optional[int] = None
-  template: str = DEFAULT_TEMPLATE
-  timeout_s: float = 5.0
-  memory_mb: int = 512
   max_turns: int = 3
   feedback: str = DEFAULT_FEEDBACK
 
   def __post_init__(self):
     check_int(type(self).__name__, "max_turns", self.max_turns, 1)
-    object.__setattr__(self, "task", HumanEvalTask(
-        path=self.path, seed=self.seed, num_eval=self.num_eval, num_train=self.num_train,
-        template=self.template, timeout_s=self.timeout_s, memory_mb=self.memory_mb))
+    object.__setattr__(self, "task", HumanEvalTask(**self.source()))
 
   def split(self, name: str) -> Sequence[Problem]:
     return self.task.split(name)

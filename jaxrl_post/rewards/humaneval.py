@@ -61,8 +61,9 @@ class _Row(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class HumanEvalTask:
-  """HumanEval problems, prompted through a template and scored by their unit tests.
+class HumanEvalSource:
+  """Which HumanEval problems, how each is prompted, and the limits of a sandboxed run:
+  the fields of HumanEvalTask, shared with the multi-turn envs.HumanEvalFeedback.
 
   Attributes:
     path: A HumanEval-format JSONL file (plain or .gz), or parquet (a file, a directory
@@ -78,8 +79,6 @@ class HumanEvalTask:
     memory_mb: Address-space limit of the sandboxed program.
   """
 
-  name: ClassVar[str] = "humaneval"
-
   path: Optional[str] = None
   seed: int = 0
   num_eval: int = 40
@@ -87,6 +86,18 @@ class HumanEvalTask:
   template: str = DEFAULT_TEMPLATE
   timeout_s: float = 5.0
   memory_mb: int = 512
+
+  def source(self) -> dict:
+    """These fields' values, as HumanEvalTask takes them."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(HumanEvalSource)}
+
+
+@dataclasses.dataclass(frozen=True)
+class HumanEvalTask(HumanEvalSource):
+  """HumanEval problems, prompted through a template and scored by their unit tests;
+  its fields are HumanEvalSource's."""
+
+  name: ClassVar[str] = "humaneval"
 
   def __post_init__(self):
     self._check()

@@ -7,6 +7,12 @@ import pytest
 
 from jaxrl_post.envs import GuessingGame, HumanEvalFeedback, ToolArithmetic, play
 from jaxrl_post.errors import UserError
+from jaxrl_post.rewards import HumanEvalTask
+
+# Every file whose tests start sandboxed programs runs in one worker: clean_machine
+# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
+# worker's would pass for a test's leftovers.
+pytestmark = pytest.mark.xdist_group("sandboxed")
 
 
 def test_the_guessing_game_answers_higher_lower_and_ends_on_the_secret():
@@ -75,6 +81,18 @@ def test_humaneval_feedback_shows_the_failure_and_takes_a_second_attempt():
   assert steps[1][1].solved and steps[1][1].reward == 1.0
   last = play(env, problem, ["def (", "still (not code"])
   assert "syntax" in last[0][1].observation and last[1][1].done and not last[1][1].solved
+
+
+def test_humaneval_feedback_builds_its_task_from_every_shared_field():
+  """The problems, prompt and sandbox limits are declared once (rewards.HumanEvalSource):
+  the environment's task gets each of them, the problems the single-turn task draws."""
+  fields = dict(seed=3, num_eval=2, num_train=3, template="Fix:\n{code}", timeout_s=7.0,
+                memory_mb=256)
+  env = HumanEvalFeedback(**fields, max_turns=2)
+  assert env.task.source() == env.source() == {"path": None, **fields}
+  alone = HumanEvalTask(**fields)
+  assert [p.prompt for p in env.split("train")] == [p.prompt for p in alone.split("train")]
+  assert env.task._limits.timeout_s == 7.0 and env.task._limits.memory_mb == 256
 
 
 @pytest.mark.parametrize("make", [GuessingGame, ToolArithmetic, lambda: HumanEvalFeedback(

@@ -13,6 +13,11 @@ from jaxrl_post.rewards import (ArithmeticTask, ComponentScorer, ComposedTask, F
                                 HumanEvalTask, LengthPenalty, Problem, Task, VerifierPool,
                                 reward_metrics, score_with_parts)
 
+# Every file whose tests start sandboxed programs runs in one worker: clean_machine
+# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
+# worker's would pass for a test's leftovers.
+pytestmark = pytest.mark.xdist_group("sandboxed")
+
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                       "smollm2_humaneval_grpo.gin")
 PROBLEM = Problem("p", "2+3=", "5")

@@ -17,8 +17,9 @@ from jaxrl_post.rewards.humaneval import assemble_program, extract_code, package
 from tests.xla import host_flags
 
 # One worker runs this file: its module fixture (a run or a pool) is built once, not
-# once per worker (scripts/test.sh distributes by --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("humaneval")
+# once per worker (scripts/test.sh distributes by --dist loadgroup); and with the
+# other files that start sandboxed programs (see tests/rewards/test_sandbox.py).
+pytestmark = pytest.mark.xdist_group("sandboxed")
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

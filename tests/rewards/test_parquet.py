@@ -16,6 +16,11 @@ from jaxrl_post.rewards.humaneval import packaged_data_path
 from jaxrl_post.rewards.parquet import rows as parquet_rows
 from jaxrl_post.rewards.rows import ReadReport
 
+# Every file whose tests start sandboxed programs runs in one worker: clean_machine
+# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
+# worker's would pass for a test's leftovers.
+pytestmark = pytest.mark.xdist_group("sandboxed")
+
 GSM8K = [{"question": f"Q{i}?", "answer": f"Work.\n#### {i},000"} for i in range(1, 21)]
 BAD_GSM8K = [
     {"question": "", "answer": "#### 3"},  # missing_field (empty)

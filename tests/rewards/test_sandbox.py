@@ -14,6 +14,11 @@ from jaxrl_post.rewards.sandbox import (EXCERPT_CHARS, STATUSES, UID_BASE, Limit
                                         run_program)
 from jaxrl_post.rewards.sandbox_cases import ESCAPE_PATHS, HOSTILE, LIMITS
 
+# Every file whose tests start sandboxed programs runs in one worker: clean_machine
+# (below) counts the machine's sandbox processes, and another worker's would pass for
+# a test's leftovers.
+pytestmark = pytest.mark.xdist_group("sandboxed")
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOOT = os.path.join(REPO, "jaxrl_post", "rewards", "sandbox_boot.py").encode()
 LAYERS = {"netns", "pidns", "mntns", "ipcns", "utsns", "procfs", "readonly",
