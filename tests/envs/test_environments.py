@@ -8,11 +8,9 @@ import pytest
 from jaxrl_post.envs import GuessingGame, HumanEvalFeedback, ToolArithmetic, play
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import HumanEvalTask
+from tests.rewards.sandboxed import SANDBOXED
 
-# Every file whose tests start sandboxed programs runs in one worker: clean_machine
-# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
-# worker's would pass for a test's leftovers.
-pytestmark = pytest.mark.xdist_group("sandboxed")
+pytestmark = SANDBOXED  # One worker: see tests/rewards/sandboxed.py.
 
 
 def test_the_guessing_game_answers_higher_lower_and_ends_on_the_secret():

@@ -12,11 +12,9 @@ from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import (ArithmeticTask, ComponentScorer, ComposedTask, FormatReward,
                                 HumanEvalTask, LengthPenalty, Problem, Task, VerifierPool,
                                 reward_metrics, score_with_parts)
+from tests.rewards.sandboxed import SANDBOXED
 
-# Every file whose tests start sandboxed programs runs in one worker: clean_machine
-# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
-# worker's would pass for a test's leftovers.
-pytestmark = pytest.mark.xdist_group("sandboxed")
+pytestmark = SANDBOXED  # One worker: see tests/rewards/sandboxed.py.
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                       "smollm2_humaneval_grpo.gin")

@@ -14,12 +14,13 @@ import pytest
 from jaxrl_post.errors import UserError
 from jaxrl_post.rewards import TASKS, HumanEvalTask, Problem
 from jaxrl_post.rewards.humaneval import assemble_program, extract_code, packaged_data_path
+from tests.rewards.sandboxed import SANDBOXED
 from tests.xla import host_flags
 
 # One worker runs this file: its module fixture (a run or a pool) is built once, not
 # once per worker (scripts/test.sh distributes by --dist loadgroup); and with the
-# other files that start sandboxed programs (see tests/rewards/test_sandbox.py).
-pytestmark = pytest.mark.xdist_group("sandboxed")
+# other files that start sandboxed programs (tests/rewards/sandboxed.py).
+pytestmark = SANDBOXED
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

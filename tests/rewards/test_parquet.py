@@ -15,11 +15,9 @@ from jaxrl_post.rewards import HumanEvalTask, JsonlTask
 from jaxrl_post.rewards.humaneval import packaged_data_path
 from jaxrl_post.rewards.parquet import rows as parquet_rows
 from jaxrl_post.rewards.rows import ReadReport
+from tests.rewards.sandboxed import SANDBOXED
 
-# Every file whose tests start sandboxed programs runs in one worker: clean_machine
-# (tests/rewards/test_sandbox.py) counts the machine's sandbox processes, and another
-# worker's would pass for a test's leftovers.
-pytestmark = pytest.mark.xdist_group("sandboxed")
+pytestmark = SANDBOXED  # One worker: see tests/rewards/sandboxed.py.
 
 GSM8K = [{"question": f"Q{i}?", "answer": f"Work.\n#### {i},000"} for i in range(1, 21)]
 BAD_GSM8K = [

@@ -13,11 +13,9 @@ import pytest
 from jaxrl_post.rewards.sandbox import (EXCERPT_CHARS, STATUSES, UID_BASE, Limits, Result,
                                         run_program)
 from jaxrl_post.rewards.sandbox_cases import ESCAPE_PATHS, HOSTILE, LIMITS
+from tests.rewards.sandboxed import SANDBOXED
 
-# Every file whose tests start sandboxed programs runs in one worker: clean_machine
-# (below) counts the machine's sandbox processes, and another worker's would pass for
-# a test's leftovers.
-pytestmark = pytest.mark.xdist_group("sandboxed")
+pytestmark = SANDBOXED  # One worker: see tests/rewards/sandboxed.py.
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOOT = os.path.join(REPO, "jaxrl_post", "rewards", "sandbox_boot.py").encode()
