@@ -35,7 +35,7 @@ def test_completions_are_cut_after_the_first_stop_id():
 def test_tiny_run_prints_one_json_object_with_sane_figures():
   # Its own process and one CPU device: the suite's 8 fake devices are not what we measure.
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=host_flags(1))
+             XLA_FLAGS=host_flags(1, real_model=True))
   proc = subprocess.run([sys.executable, SCRIPT, "--prompts", "4", "--new_tokens", "4",
                          "--num_slots", "4", "--decode_buckets", "2", "--no_peer", "--json"],
                         capture_output=True, text=True, env=env, timeout=900)

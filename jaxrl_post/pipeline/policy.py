@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_post.errors import UserError
-from jaxrl_post.models import PRESETS, ModelConfig, Tokenizer, init_model, load, preset
+from jaxrl_post.models import PRESETS, ModelConfig, Tokenizer, load, preset
 from jaxrl_post.models.tokenizer import char_tokenizer
-from jaxrl_post.models.transformer import init_lora, params_of
+from jaxrl_post.models.transformer import init_lora, init_model_compiled, params_of
 from jaxrl_post.pipeline.config import ModelSpec
 
 
@@ -33,7 +33,7 @@ def load_policy(spec: ModelSpec) -> tuple[ModelConfig, dict, Tokenizer]:
     if tokenizer.vocab_size > cfg.vocab_size:
       raise UserError(f"model preset {spec.source!r}: vocab_size {cfg.vocab_size} is smaller "
                       f"than the char tokenizer's {tokenizer.vocab_size}")
-    model = init_model(cfg, spec.init_seed)
+    model = init_model_compiled(cfg, spec.init_seed)
   else:
     model, tokenizer = load(spec.source, **overrides)
     if spec.tokenizer == "chars":

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_post import models
 from jaxrl_post.errors import UserError
@@ -51,10 +52,19 @@ def tiny_moe(seed=0, **changes) -> models.Transformer:
   return with_params(model, params)
 
 
-def forward(model, ids, replay=None, segment_ids=None, apply=True):
+def routed(model, ids, replay=None, segment_ids=None, apply=True):
+  """The model's forward and routing, traced in the caller's program (and its mesh rules)."""
   ids = jnp.asarray(ids)
   pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
   return model.forward_routed(ids, pos, segment_ids, recorded=replay, replay=apply)
+
+
+def forward(model, ids, replay=None, segment_ids=None, apply=True):
+  """routed() as a program of its own: eagerly, each op and the layer scan compile per call."""
+  return _forward(model, jnp.asarray(ids), replay, segment_ids, apply)
+
+
+_forward = nnx.jit(routed, static_argnames="apply")
 
 
 # ------------------------------------------------------------------ the layer
@@ -145,10 +155,10 @@ def test_experts_sharded_over_the_expert_axis_equal_one_device_forward_and_gradi
   params = params_of(model)
 
   def loss(p):
-    h, routing = forward(with_params(model, p), ids, segment_ids=segments)
+    h, routing = routed(with_params(model, p), ids, segment_ids=segments)
     return jnp.sum(h ** 2) + jnp.sum(routing.balance), h
 
-  (want_loss, want_h), want_g = jax.value_and_grad(loss, has_aux=True)(params)
+  (want_loss, want_h), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   mesh = make_mesh(mesh_cfg, jax.devices())
   axes = logical_axes(model)
   assert axes["layers"]["we_gate"] == ("layers", "expert", "embed", "mlp")
@@ -181,7 +191,7 @@ def test_expert_parallel_forward_splits_every_layers_flops_over_the_expert_axis(
 
     def run(p, ids):
       with activation_rules(TRAINING_RULES, mesh):
-        return forward(with_params(model, p), ids)[0]
+        return routed(with_params(model, p), ids)[0]
 
     compiled = jax.jit(run).lower(jax.device_put(params, shardings), ids).compile()
     return compiled.cost_analysis()["flops"]

@@ -36,6 +36,24 @@ def test_every_parameter_names_its_logical_axes():
     assert names[0] == "layers"
 
 
+def test_the_compiled_init_draws_the_eager_inits_weights_bit_for_bit():
+  """The training command's one-program init (init_model_compiled) against init_model's op
+  by op draws: every parameter in every dtype, LoRA and value head included, per seed."""
+  from jaxrl_post.models import LoraConfig
+  from jaxrl_post.models.transformer import init_model_compiled, params_of
+
+  cfg = tiny(param_dtype="bfloat16", tie_word_embeddings=False, value_head=True, qk_norm=True,
+             qkv_bias=True, lora=LoraConfig(rank=4, targets=("wq", "w_up")))
+  for config, seed in ((tiny(), 0), (cfg, 0), (cfg, 7)):
+    want = params_of(init_model(config, seed), nnx.Variable)
+    got = params_of(init_model_compiled(config, seed), nnx.Variable)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      assert g.dtype == w.dtype
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert logical_axes(init_model_compiled(config, seed)) == logical_axes(init_model(config))
+
+
 @pytest.mark.parametrize("name,expected", [("smollm2-135m", 134_515_008),
                                            ("llama3-8b", 8_030_261_248),
                                            ("qwen2.5-0.5b", 494_032_768),

@@ -248,7 +248,7 @@ def test_shipped_config_trains_a_step_on_the_cpu(tmp_path):
   cmd = [sys.executable, "-m", "jaxrl_post.train", f"--gin_file={config}",
          f"--workdir={tmp_path}"] + [f"--gin_param={p}" for p in SMOKE]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=host_flags(1))
+             XLA_FLAGS=host_flags(1, real_model=True))
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "held-out accuracy:" in done.stdout

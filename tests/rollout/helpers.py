@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl_post.models import ModelConfig
 from jaxrl_post.models.transformer import init_model, params_of, with_params
@@ -53,6 +54,24 @@ def completion_logits(prompt, tokens):  # -> [len(tokens), V] logits that predic
   seq = np.asarray(list(prompt) + list(tokens), np.int32)
   logits = np.asarray(_full_forward()(params_of(model()), jnp.asarray(seq)), np.float64)
   return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+@nnx.jit
+def _routed_logits(model, tokens):  # [1, T] -> (logits [1, T, V], routing or None)
+  hidden, routing = model.forward_routed(tokens, jnp.arange(tokens.shape[1])[None])
+  return model.logits(hidden), routing
+
+
+def full_forward(model, ids, bucket: int = 32):
+  """Any model's full (non-cached) forward over ids: logits [len(ids), V] as float64 and
+  its MoE routing (moe.Routing, or None), compiled once per model and bucket of lengths
+  (eagerly, each op and the layer scan compiled per length). Padding on the right changes
+  no earlier position: attention is causal and no expert drops a token for capacity."""
+  n = len(ids)
+  padded = np.zeros((1, -(-n // bucket) * bucket), np.int32)
+  padded[0, :n] = ids
+  logits, routing = _routed_logits(model, jnp.asarray(padded))
+  return np.asarray(logits, np.float64)[0, :n], routing
 
 
 def log_softmax(x):  # [..., V] float64

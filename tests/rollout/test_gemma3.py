@@ -48,8 +48,7 @@ def _prompts(name, lengths, seed):
 
 
 def _full_forward_logprobs(model, prompt, tokens):  # -> [len(tokens)] float64
-  seq = jnp.asarray([list(prompt) + list(tokens)], jnp.int32)
-  logits = np.asarray(model.logits(model(seq, jnp.arange(seq.shape[1])[None]))[0], np.float64)
+  logits = H.full_forward(model, list(prompt) + list(tokens))[0]
   logits = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
   return H.log_softmax(logits)[np.arange(len(tokens)), list(tokens)]
 

@@ -14,7 +14,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_post import models
@@ -42,9 +41,9 @@ def _prompts(lengths, seed):
 
 
 def _own_experts(model, prompt, completion):  # -> [P + N - 1, L, k] sorted over k
-  seq = jnp.asarray([list(prompt) + list(completion)[:-1]])
-  _, routing = model.forward_routed(seq, jnp.arange(seq.shape[1])[None])
-  return np.sort(np.moveaxis(np.asarray(routing.experts[:, 0]), 0, 1), axis=-1)
+  seq = list(prompt) + list(completion)[:-1]
+  routing = H.full_forward(model, seq)[1]
+  return np.sort(np.moveaxis(np.asarray(routing.experts)[:, 0, :len(seq)], 0, 1), axis=-1)
 
 
 def _check_recorded(model, prompts, out):
