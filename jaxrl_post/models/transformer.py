@@ -102,9 +102,13 @@ def lora_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
 
 
 def _scaled_normal(key, shape, dtype):
-  # The barrier keeps XLA from folding the 0.02 into the sampler's own constants (one
-  # rounding apart): init_model_compiled draws the bits init_model draws.
-  return 0.02 * jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype))
+  x = jax.random.normal(key, shape, dtype)
+  if isinstance(x, jax.core.Tracer):
+    # Compiled (init_model_compiled), the barrier keeps XLA from folding the 0.02 into the
+    # sampler's own constants (one rounding apart), so it draws init_model's bits; eagerly
+    # it would cost a program of its own per shape.
+    x = jax.lax.optimization_barrier(x)
+  return 0.02 * x
 
 
 def _init_value(name, shape, key, dtype, norm_plus_one=False):
