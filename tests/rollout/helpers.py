@@ -7,13 +7,12 @@ width), so the jitted prefill/decode functions compile once per test process.
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxrl_post.models import ModelConfig
-from jaxrl_post.models.transformer import init_model, params_of, with_params
+from jaxrl_post.models.transformer import init_model
 from jaxrl_post.rollout import Engine, EngineConfig, PoolConfig
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -39,23 +38,6 @@ def prompts(rng, lengths):
   return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
 
 
-@functools.lru_cache(maxsize=None)
-def _full_forward():
-  @jax.jit
-  def run(params, tokens):  # [T] -> [T, V] float32
-    m = with_params(model(), params)
-    positions = jnp.arange(tokens.shape[0])[None]
-    return m.logits(m(tokens[None], positions))[0]
-  return run
-
-
-def completion_logits(prompt, tokens):  # -> [len(tokens), V] logits that predicted each token
-  """Logits of a full (non-cached) forward over prompt + completion."""
-  seq = np.asarray(list(prompt) + list(tokens), np.int32)
-  logits = np.asarray(_full_forward()(params_of(model()), jnp.asarray(seq)), np.float64)
-  return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
-
-
 @nnx.jit
 def _routed_logits(model, tokens):  # [1, T] -> (logits [1, T, V], routing or None)
   hidden, routing = model.forward_routed(tokens, jnp.arange(tokens.shape[1])[None])
@@ -72,6 +54,13 @@ def full_forward(model, ids, bucket: int = 32):
   padded[0, :n] = ids
   logits, routing = _routed_logits(model, jnp.asarray(padded))
   return np.asarray(logits, np.float64)[0, :n], routing
+
+
+def completion_logits(prompt, tokens, m=None):  # -> [len(tokens), V]: each token's logits
+  """Logits of a full (non-cached) forward of m (the tiny model by default) over prompt +
+  completion, at the positions that predicted the completion's tokens."""
+  logits = full_forward(m if m is not None else model(), list(prompt) + list(tokens))[0]
+  return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
 def log_softmax(x):  # [..., V] float64

@@ -48,9 +48,8 @@ def _prompts(name, lengths, seed):
 
 
 def _full_forward_logprobs(model, prompt, tokens):  # -> [len(tokens)] float64
-  logits = H.full_forward(model, list(prompt) + list(tokens))[0]
-  logits = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
-  return H.log_softmax(logits)[np.arange(len(tokens)), list(tokens)]
+  logprobs = H.log_softmax(H.completion_logits(prompt, tokens, model))
+  return logprobs[np.arange(len(tokens)), list(tokens)]
 
 
 def _check(model, prompts, out, ref):
