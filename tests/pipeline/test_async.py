@@ -50,7 +50,11 @@ def test_batches_come_from_weights_lag_steps_old_and_report_their_staleness(tmp_
   assert all(r["async/staleness"] <= 4 and r["async/dropped_groups"] == 0 for r in more)
 
 
-@pytest.mark.slow(reason="a straight run against a killed run and its resume")
+# In the default run, tests/pipeline/test_devices.py kills a one-step-off run (two
+# processes) after step 3 and checks that its resume recomputes step 3 bit for bit and
+# writes the uninterrupted one-process run's metrics: the same driver, queue and restore.
+@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("extra,kill_after", [
     (ONE_STEP_OFF, 3),
     pytest.param(BOUNDED, 2, marks=pytest.mark.sweep),

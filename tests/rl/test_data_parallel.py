@@ -100,8 +100,10 @@ def test_step_flops_per_device_fall_with_eight_devices():
   assert per_device <= whole / 6
 
 
-@pytest.mark.parametrize("mesh_cfg", [MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4)],
-                         ids=["fsdp8", "data2-fsdp4"])
+# fsdp8 is the sweep's: data2-fsdp4 shards the parameters over FSDP and splits the rows
+# over data too, and tests/rl/test_fused_step.py runs the fused update on fsdp8.
+@pytest.mark.parametrize("mesh_cfg", [pytest.param(MeshConfig(fsdp=8), marks=pytest.mark.sweep),
+                                      MeshConfig(data=2, fsdp=4)], ids=["fsdp8", "data2-fsdp4"])
 def test_sharded_step_equals_the_one_device_step(mesh_cfg):
   params = params_of(init_model(CFG, 0))
   sharded = Trainer(CFG, TRAINER, make_mesh(mesh_cfg))
