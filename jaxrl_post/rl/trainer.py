@@ -12,9 +12,9 @@ programs per micro-batch and per-minibatch metric fetches each cost a dispatch a
 round trip, which dominate a small model's step; here the host packs each micro-batch
 once, places the rollout batch once, and fetches the metrics once per rollout batch. The
 first minibatch's parameters are the old policy, so its forward doubles as the old
-logprobs, and its call also computes the old policy of the later minibatches before it
-updates; the later minibatches' calls run the same program, a flag skipping that forward
-(one train program to compile per rollout batch shape, not two). Parameters are f32
+logprobs; the old policy of the later minibatches is a forward program run before it,
+and every minibatch runs the same train program (one to compile per rollout batch shape,
+not two). Parameters are f32
 masters; the forward computes in the model's compute dtype (bf16 by default). A step whose
 loss or gradient is not finite leaves parameters and optimizer state untouched and is
 counted in `TrainState.skipped`.
@@ -185,7 +185,10 @@ class Trainer:
       self._replicated = NamedSharding(mesh, PartitionSpec())
     self._logprobs = self._jit(self._completion_logprobs)
     self._values = self._jit(self._completion_values)
-    self._old = self._jit(self._old_policy_of_minibatch)
+    # Split like the batches: a later minibatch's old policy is an input of the train
+    # program beside the first's (`_no_old_policy`), in the same sharding.
+    self._old = self._jit(self._old_policy_of_minibatch, **(
+        {} if mesh is None else {"out_shardings": self._batch_sharding}))
     self._update = None  # Built by init_state, once the state's shardings are known.
     self._no_old = {}  # _no_old_policy's arrays, by shape.
 
@@ -377,16 +380,15 @@ class Trainer:
     parameters are the old policy, so its own forward gives the old logprobs, and before
     updating it computes the old policy of the `later` minibatches for their programs.
 
-    `first` (a traced bool; with `old` given and the rollout batch's `later` minibatches
-    in every call) makes that one program for all minibatches: where it is true the
-    program behaves as with `old` None, where false as a later minibatch's (it returns
-    zeros for `later`). A rollout batch of several minibatches then compiles one train
-    program instead of two.
+    `first` (a traced bool, with `old` given and no `later`) makes that one program for
+    all minibatches: where it is true its own forward is the old policy (`old` unread),
+    where false `old` is. A rollout batch of several minibatches then compiles one train
+    program, and the old policy of the later ones runs before it (`Trainer.update`).
 
     Returns:
       (new state, metrics as device scalars and histograms, the old policy of `later`).
     """
-    lookahead = self._lookahead(self.full_params(state), later, first)
+    lookahead = self._old_policies(self.full_params(state), later)
     ref = None
     if self.cfg.loss.kl_coef > 0:
       ref = ref_params if ref_params is not None else self.reference_params(state)
@@ -414,17 +416,6 @@ class Trainer:
     metrics["value_loss"] = jnp.sum(per_token["value_loss"])
     metrics.update(self._canaries(batch, per_token))
     return new_state, metrics, lookahead
-
-  def _lookahead(self, params: dict, later: tuple[PackedInputs, ...], first
-                 ) -> tuple[OldPolicy, ...]:
-    """The old policy of the `later` minibatches; with `first`, only where it is true
-    (zeros otherwise: a later minibatch's call skips the forward)."""
-    policies = lambda p: self._old_policies(p, later)
-    if first is None or not later:
-      return policies(params)
-    zeros = lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                   jax.eval_shape(policies, p))
-    return jax.lax.cond(first, policies, zeros, params)
 
   def _apply(self, state: TrainState, grads, loss) -> tuple[TrainState, dict]:
     """The AdamW update, dropped (and counted) when the loss or a gradient is not finite."""
@@ -500,16 +491,19 @@ class Trainer:
     if len(batches) == 1:
       state, metrics, _ = self._update(state, ref_params, batches[0], scores, None, ())
       return state, [metrics]
-    # Every call takes an old policy and the later minibatches, so that the first (whose
-    # old policy is its own forward: `first`) and the later ones run the same program: a
-    # second train program would cost as long to compile as the first (XLA:CPU, 1.7 s at
-    # the quickstart's size, 6 s over 8 devices).
-    later = tuple(b.inputs for b in batches[1:])
-    history, lookahead = [], ()
+    # The old policy of the later minibatches first, a forward program of its own; then
+    # every minibatch runs one train program, the first's old policy its own forward
+    # (`first`). Two train programs (the first's computing the others' old policy) cost
+    # twice the compile (XLA:CPU: 1.7 s at the quickstart's size, 6 s over 8 devices),
+    # and the forward kept inside the train program under a lax.cond put its collectives
+    # in a sequence of their own, which XLA:CPU's devices could start out of order
+    # against the step's (a deadlock in one of two 8-device runs).
+    params = self.full_params(state)
+    olds = [self._old(params, batch.inputs) for batch in batches[1:]]
+    history = []
     for n, batch in enumerate(batches):
-      old = lookahead[n - 1] if n else self._no_old_policy(batch)
-      state, metrics, out = self._update(state, ref_params, batch, scores, old, later, n == 0)
-      lookahead = out if n == 0 else lookahead
+      old = olds[n - 1] if n else self._no_old_policy(batch)
+      state, metrics, _ = self._update(state, ref_params, batch, scores, old, (), n == 0)
       history.append(metrics)
     return state, history
 
