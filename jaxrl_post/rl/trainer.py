@@ -484,9 +484,9 @@ class Trainer:
 
   def update(self, state: TrainState, batches: Sequence[StepBatch], scores: SequenceScores,
              ref_params: Optional[dict] = None) -> tuple[TrainState, list[dict]]:
-    """All optimizer steps of one rollout batch, one call of one program per minibatch
-    (the first also runs the old policy of the others); the metrics stay on the device,
-    for one fetch per step (`fetch_metrics`)."""
+    """All optimizer steps of one rollout batch: the old policy of the later minibatches,
+    then one call of one train program per minibatch; the metrics stay on the device, for
+    one fetch per step (`fetch_metrics`)."""
     batches, scores = self.place_batch(list(batches)), self.place_scores(scores)
     if len(batches) == 1:
       state, metrics, _ = self._update(state, ref_params, batches[0], scores, None, ())
@@ -510,7 +510,7 @@ class Trainer:
   def _no_old_policy(self, batch: StepBatch) -> OldPolicy:
     """The first minibatch's `old` argument, never read (its own forward is the old
     policy): zeros of the old policy's shapes, split like the batch; made once a shape,
-    so a step runs no program but its train steps."""
+    so a step runs no program for it."""
     shape = batch.inputs.completion_mask.shape
     if shape not in self._no_old:
       zeros = np.zeros(shape, np.float32)
