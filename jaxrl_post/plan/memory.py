@@ -340,7 +340,7 @@ def abstract_reference(trainer: Trainer, mesh: Mesh, dtype="float32") -> Optiona
 
 def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
                      reference: Optional[dict] = None):
-  """The trainer's minibatch update (the first of a rollout batch, no later minibatches),
+  """The trainer's minibatch update (a rollout batch of one minibatch),
   jitted as `Trainer.init_state` jits it, lowered on abstract inputs. Kept alone so a
   change to how the trainer builds its step changes one place.
 
@@ -354,12 +354,12 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
     with activation_rules(rules, trainer.mesh):
       return trainer.minibatch_update(*args, **kwargs)
 
-  step = jax.jit(traced, donate_argnums=0, out_shardings=(_state_shardings(state), None, None))
+  step = jax.jit(traced, donate_argnums=0, out_shardings=(_state_shardings(state), None))
   n = batch.sequence.shape[1] * batch.sequence.shape[0]
   replicated = NamedSharding(trainer.mesh, PartitionSpec())
   f32 = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated)
   with _gpu_target(trainer.mesh):
-    return step.lower(state, reference, batch, SequenceScores(f32, f32), None, ())
+    return step.lower(state, reference, batch, SequenceScores(f32, f32), None)
 
 
 def _gpu_target(mesh: Mesh):

@@ -260,9 +260,8 @@ class Trainer:
     if self.mesh is not None:
       placed = _state_shardings(state, self.mesh)
       state = jax.device_put(state, placed)
-      # Metrics replicated (small, and every process can read them); the old policy of
-      # later minibatches split like their batches.
-      out = {"out_shardings": (placed, self._replicated, self._batch_sharding)}
+      # Metrics replicated (small, and every process can read them).
+      out = {"out_shardings": (placed, self._replicated)}
     self._update = self._jit(self.minibatch_update, donate_argnums=0, **out)
     return state
 
@@ -294,12 +293,14 @@ class Trainer:
     return self._values(params, self.place_inputs(inputs))
 
   def old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
-    """The OldPolicy of `params` on a minibatch's placed inputs ([M, ...] leaves), as a
-    later minibatch's program receives it from the first."""
+    """The OldPolicy of `params` on a minibatch's placed inputs ([M, ...] leaves): the
+    `old` argument of a minibatch that the sampling parameters no longer hold."""
     return self._old(params, inputs)
 
   def _old_policy_of_minibatch(self, params: dict, inputs: PackedInputs) -> OldPolicy:
-    return self._old_policies(params, (inputs,))[0]
+    """The OldPolicy of a minibatch's [M, ...] inputs: one forward body mapped over its
+    micro-batches."""
+    return jax.lax.map(lambda x: self._old_policy(params, x), inputs)
 
   def _old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
     """Logprobs (and critic values) of one packed micro-batch, without gradients."""
@@ -307,17 +308,6 @@ class Trainer:
                               with_values=self.value_head, replay=self.replay)
     values = out[2] if self.value_head else jnp.zeros_like(out[0])
     return jax.lax.stop_gradient(OldPolicy(out[0], values))
-
-  def _old_policies(self, params: dict, later: tuple[PackedInputs, ...]
-                    ) -> tuple[OldPolicy, ...]:
-    """The old policy of each later minibatch ([M, ...] inputs of one shape): one forward
-    body mapped over all their micro-batches."""
-    if not later:
-      return ()
-    m = later[0].tokens.shape[0]
-    stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *later)  # [(N - 1) * M, ...]
-    old = jax.lax.map(lambda x: self._old_policy(params, x), stacked)
-    return tuple(jax.tree.map(lambda a: a[i * m:(i + 1) * m], old) for i in range(len(later)))
 
   # ----------------------------------------------------------------- update
 
@@ -371,24 +361,21 @@ class Trainer:
 
   def minibatch_update(self, state: TrainState, ref_params: Optional[dict],
                        batch: StepBatch, scores: SequenceScores, old: Optional[OldPolicy],
-                       later: tuple[PackedInputs, ...], first=None):
+                       first=None):
     """One optimizer step on a minibatch, with every pass it needs, as one program.
 
     Reference logprobs (from `ref_params`, or the LoRA base when None), the normaliser,
     the advantages, the loss and gradients of each micro-batch (scanned), the AdamW update
-    and the metrics. `old` None marks the first minibatch of a rollout batch: its
-    parameters are the old policy, so its own forward gives the old logprobs, and before
-    updating it computes the old policy of the `later` minibatches for their programs.
+    and the metrics. `old` None marks the only minibatch of a rollout batch: its
+    parameters are the old policy, so its own forward gives the old logprobs.
 
-    `first` (a traced bool, with `old` given and no `later`) makes that one program for
-    all minibatches: where it is true its own forward is the old policy (`old` unread),
-    where false `old` is. A rollout batch of several minibatches then compiles one train
-    program, and the old policy of the later ones runs before it (`Trainer.update`).
+    `first` (a traced bool, with `old` given) makes one program for all minibatches of a
+    rollout batch: where it is true its own forward is the old policy (`old` unread),
+    where false `old` is, computed before the first update (`Trainer.update`).
 
     Returns:
-      (new state, metrics as device scalars and histograms, the old policy of `later`).
+      (new state, metrics as device scalars and histograms).
     """
-    lookahead = self._old_policies(self.full_params(state), later)
     ref = None
     if self.cfg.loss.kl_coef > 0:
       ref = ref_params if ref_params is not None else self.reference_params(state)
@@ -415,7 +402,7 @@ class Trainer:
     new_state, metrics = self._apply(state, grads, loss)
     metrics["value_loss"] = jnp.sum(per_token["value_loss"])
     metrics.update(self._canaries(batch, per_token))
-    return new_state, metrics, lookahead
+    return new_state, metrics
 
   def _apply(self, state: TrainState, grads, loss) -> tuple[TrainState, dict]:
     """The AdamW update, dropped (and counted) when the loss or a gradient is not finite."""
@@ -461,8 +448,8 @@ class Trainer:
     return out
 
   def step(self, state: TrainState, batch: StepBatch, scores: SequenceScores,
-           ref_params: Optional[dict] = None, old: Optional[OldPolicy] = None,
-           later: Sequence[PackedInputs] = ()) -> tuple[TrainState, dict, tuple]:
+           ref_params: Optional[dict] = None, old: Optional[OldPolicy] = None
+           ) -> tuple[TrainState, dict]:
     """One optimizer step; `state` is donated.
 
     Args:
@@ -471,16 +458,14 @@ class Trainer:
       scores: the rollout batch's per-sequence advantages and rewards.
       ref_params: frozen reference parameters; None with LoRA (the base is the reference).
         Unused when the loss has no KL term (kl_coef 0).
-      old: the old policy on this minibatch; None when `state`'s parameters are it (the
-        first minibatch of a rollout batch).
-      later: placed inputs of the minibatches after this one (only with old=None), whose
-        old policy is returned.
+      old: the old policy on this minibatch (`old_policy` of the parameters that sampled
+        it); None when `state`'s parameters are it.
 
     Returns:
-      (new state, metrics as device arrays, the old policy of each of `later`).
+      (new state, metrics as device arrays).
     """
     return self._update(state, ref_params, self.place_batch(batch), self.place_scores(scores),
-                        old, tuple(later))
+                        old)
 
   def update(self, state: TrainState, batches: Sequence[StepBatch], scores: SequenceScores,
              ref_params: Optional[dict] = None) -> tuple[TrainState, list[dict]]:
@@ -489,7 +474,7 @@ class Trainer:
     one fetch per step (`fetch_metrics`)."""
     batches, scores = self.place_batch(list(batches)), self.place_scores(scores)
     if len(batches) == 1:
-      state, metrics, _ = self._update(state, ref_params, batches[0], scores, None, ())
+      state, metrics = self._update(state, ref_params, batches[0], scores, None)
       return state, [metrics]
     # The old policy of the later minibatches first, a forward program of its own; then
     # every minibatch runs one train program, the first's old policy its own forward
@@ -503,7 +488,7 @@ class Trainer:
     history = []
     for n, batch in enumerate(batches):
       old = olds[n - 1] if n else self._no_old_policy(batch)
-      state, metrics, _ = self._update(state, ref_params, batch, scores, old, (), n == 0)
+      state, metrics = self._update(state, ref_params, batch, scores, old, n == 0)
       history.append(metrics)
     return state, history
 

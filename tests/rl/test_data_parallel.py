@@ -58,8 +58,8 @@ def close(actual, expected, what=""):
 
 
 def same_results(a, b):
-  """(state, metrics, ...) results: every metric and every updated parameter."""
-  (state_a, metrics_a), (state_b, metrics_b) = jax.device_get((a[:2], b[:2]))
+  """(state, metrics) results: every metric and every updated parameter."""
+  (state_a, metrics_a), (state_b, metrics_b) = jax.device_get((a, b))
   assert set(metrics_a) == set(metrics_b)
   for key in metrics_a:
     close(metrics_a[key], metrics_b[key], key)
@@ -92,9 +92,9 @@ def test_step_flops_per_device_fall_with_eight_devices():
   batch1, scores, _, old1 = jax.device_get(inputs8)
   inputs1 = (single.place_batch(batch1), scores, single.place(params), single.place_batch(old1))
   per_device = flops(sharded._update.lower(state8, inputs8[2], inputs8[0], inputs8[1],
-                                           inputs8[3], ()).compile())
-  whole = flops(single._update.lower(state1, inputs1[2], inputs1[0], inputs1[1], inputs1[3],
-                                     ()).compile())
+                                           inputs8[3]).compile())
+  whole = flops(single._update.lower(state1, inputs1[2], inputs1[0], inputs1[1],
+                                     inputs1[3]).compile())
   print(f"step flops per device: 8 devices {per_device:.4g}, 1 device {whole:.4g}, "
         f"ratio {per_device / whole:.3f}")
   assert per_device <= whole / 6
