@@ -172,6 +172,33 @@ def test_an_asynchronous_run_holds_more_rollout_weight_versions_and_a_smaller_po
   assert "of versions in flight" in report.text(built)
 
 
+def test_the_train_phase_counts_the_later_minibatches_old_policy_forward():
+  """The quickstart's rollout batch is 2 minibatches: the run computes the second's old
+  policy with a forward program before the two updates, and the plan's train phase is
+  those three calls; with one minibatch there is no such forward."""
+  from types import SimpleNamespace as NS
+
+  from jaxrl_post.plan import programs, report, targets
+  devices = jax.devices()[:1]
+  exp = _quickstart("quickstart.gin")
+  assert exp.trainer.minibatches == 2
+  p = programs.compile_programs(exp, devices)
+  train, forward = p.train_filled.cost, p.old_policy.cost
+  # A forward of the same rows without the backward, the remat or the reference.
+  assert 0 < forward.flops < train.flops / 2
+  chip = report.local_chip(devices, 1e12, 1e11, 1 << 30)
+  built = report.build(p, targets.resolve("local", 1), chip, exp, 1)
+  assert built.flops["train"] == pytest.approx(2 * train.flops + forward.flops)
+  assert built.hbm_bytes["train"] == pytest.approx(2 * train.bytes + forward.bytes)
+  seconds = lambda c, n: report._seconds(report._terms(c, chip, n))
+  assert built.predicted_s["train"] == pytest.approx(
+      seconds(train, 2) + seconds(forward, 1), abs=5e-5)  # reported to 0.1 ms
+  one = NS(**{**vars(p), "old_policy": None})  # what a one-minibatch rollout batch runs
+  single = NS(**{**vars(exp), "trainer": NS(minibatches=1)})
+  runs = report._runs(one, single, p.decode.cost)
+  assert [(cost, n) for cost, n, _ in runs["train"]] == [(train, 1)]
+
+
 def test_an_engine_that_splits_its_layers_holds_the_rollout_weights_once():
   """The sync writes the engine's per-layer form (rollout.weights.SplitLayers), so the plan
   counts one copy of the rollout weights, as the run holds."""

@@ -362,6 +362,22 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
     return step.lower(state, reference, batch, SequenceScores(f32, f32), None)
 
 
+def lower_old_policy(trainer: Trainer, state: TrainState, batch: StepBatch):
+  """The old-policy forward a rollout batch of several minibatches runs for each later
+  one (`Trainer.old_policy`), jitted as the trainer jits it, lowered on abstract inputs."""
+  rules = getattr(trainer, "rules", TRAINING_RULES)
+
+  @functools.wraps(trainer.minibatch_old_policy)
+  def traced(*args):
+    with activation_rules(rules, trainer.mesh):
+      return trainer.minibatch_old_policy(*args)
+
+  # Split like the batch, as the trainer's program returns it.
+  forward = jax.jit(traced, out_shardings=batch.inputs.completion_mask.sharding)
+  with _gpu_target(trainer.mesh):
+    return forward.lower(trainer.full_params(state), batch.inputs)
+
+
 def _gpu_target(mesh: Mesh):
   """Where a GPU program is traced on a host without one: its mesh as the abstract mesh in
   context, which Pallas' Triton lowering asks for the GPU it compiles for (a kernel under
@@ -396,17 +412,9 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
     reference_dtype: the frozen reference's dtype (ReferenceSpec.dtype).
     analyse: also read the step's loop-counted cost and kernels (see compiled_memory).
   """
-  mesh = mesh or single_device_mesh()
-  row_tokens = row_tokens or trainer_cfg.row_tokens
-  trainer = Trainer(model_cfg, trainer_cfg, mesh=mesh)
-  state = abstract_train_state(trainer, mesh)
-  sequences = sequences or rows
-  head = head_positions_bound(sequences, completion_len, trainer.batch_shards)
-  experts = None if model_cfg.moe is None else (model_cfg.num_layers,
-                                                 model_cfg.moe.experts_per_token)
-  batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences,
-                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES),
-                              experts)
+  trainer, state, batch = _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens,
+                                         completion_len, micro_batches, sequences)
+  mesh = trainer.mesh
   reference = abstract_reference(trainer, mesh, reference_dtype)
   compiled, allocations = compile_with_allocations(
       lower_train_step(trainer, state, batch, reference), largest, mesh_platform(mesh))
@@ -416,6 +424,34 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
                          opt_state_bytes=device_bytes(state.opt_state),
                          batch_bytes=device_bytes(batch), largest=allocations,
                          reference_bytes=device_bytes(reference or {}))
+
+
+def old_policy_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = TrainerConfig(),
+                      mesh: Optional[Mesh] = None, rows: int = 1,
+                      row_tokens: Optional[int] = None, completion_len: int = 512,
+                      micro_batches: int = 1, sequences: Optional[int] = None,
+                      analyse: bool = False) -> CompiledMemory:
+  """Compiles the old-policy forward of one minibatch (arguments as train_step_memory's),
+  which a rollout batch of N minibatches runs N - 1 times before its updates."""
+  trainer, state, batch = _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens,
+                                         completion_len, micro_batches, sequences)
+  return compiled_memory(compile_lowered(lower_old_policy(trainer, state, batch)), analyse)
+
+
+def _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens, completion_len,
+                   micro_batches, sequences) -> tuple[Trainer, TrainState, StepBatch]:
+  """The trainer on `mesh` (one device when None), its abstract state and minibatch."""
+  mesh = mesh or single_device_mesh()
+  row_tokens = row_tokens or trainer_cfg.row_tokens
+  trainer = Trainer(model_cfg, trainer_cfg, mesh=mesh)
+  sequences = sequences or rows
+  head = head_positions_bound(sequences, completion_len, trainer.batch_shards)
+  experts = None if model_cfg.moe is None else (model_cfg.num_layers,
+                                                 model_cfg.moe.experts_per_token)
+  batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences,
+                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES),
+                              experts)
+  return trainer, abstract_train_state(trainer, mesh), batch
 
 
 # ------------------------------------------------------------------------ weights

@@ -5,7 +5,8 @@ the placement's meshes, the model's shapes (no weights), and the four programs o
 step runs, each lowered exactly as the run jits it and compiled by the target's compiler:
 
 * train: the trainer's minibatch update at the run's worst-case packed micro-batch (its
-  memory), and at the rows its tokens fill (its time);
+  memory), and at the rows its tokens fill (its time); with several minibatches, also the
+  old-policy forward each later one runs first (its time);
 * prefill: one packed prefill call of the engine at its configured rows and chunk;
 * decode: the engine's multi-step decode loop at the configured slots and a page table
   as wide as the longest sequence (cascade attention where the engine decodes with it:
@@ -112,6 +113,8 @@ class Programs:
   shapes: Shapes
   train: TrainStepMemory  # at the worst-case rows
   train_filled: CompiledMemory  # at the rows the tokens fill: what predicts its time
+  # The later minibatches' old-policy forward at those rows (None with one minibatch).
+  old_policy: Optional[CompiledMemory]
   prefill: CompiledMemory
   decode: CompiledMemory  # one call of `decode_steps` steps
   decode_steps: int
@@ -139,6 +142,11 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
         cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
         micro_batches=exp.trainer.micro_batches, sequences=s.sequences,
         reference_dtype=exp.reference.dtype, analyse=True).compiled
+  old_policy = None
+  if exp.trainer.minibatches > 1:
+    old_policy = memory.old_policy_memory(
+        cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
+        micro_batches=exp.trainer.micro_batches, sequences=s.sequences, analyse=True)
   kv_dtype = exp.rollout.engine.pool_dtype(cfg)
   wdt = exp.sync.rollout_dtype
   steps = exp.rollout.engine.decode_steps
@@ -159,7 +167,7 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                             analyse=True)
   sync, sync_bytes = _compile_sync(exp, cfg, meshes, layout)
   return Programs(model=cfg, meshes=meshes, shapes=s, train=train, train_filled=train_filled,
-                  prefill=prefill,
+                  old_policy=old_policy, prefill=prefill,
                   decode=decode, decode_steps=steps, sync=sync,
                   rollout_weight_bytes=memory.device_bytes(params),
                   decode_weight_bytes=_decode_weight_bytes(cfg, params), sync_bytes=sync_bytes)

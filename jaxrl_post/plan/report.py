@@ -178,24 +178,33 @@ def decode_as_run(p: Programs, exp) -> ProgramCost:
                              flops=cost.flops - tokens * flops)
 
 
-def _roofline(p: Programs, exp, chip: Chip, decode: ProgramCost) -> tuple[dict, dict]:
-  """(terms, calls) per role over one step: how often each program runs, and its
-  compute, memory and collective seconds on `chip` (`decode`: decode_as_run's cost)."""
-  s, r = p.shapes, exp.rollout
+def _runs(p: Programs, exp, decode: ProgramCost) -> dict:
+  """role -> [(cost, calls per step, kernels launched per call)] of the programs it runs
+  (`decode`: decode_as_run's cost)."""
+  s, r, n = p.shapes, exp.rollout, exp.trainer.minibatches
   data_shards = batch_shards(p.meshes.rollout)
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
-  calls = {
-      "prefill": math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width)),
-      "decode": math.ceil(s.samples / s.num_slots) * math.ceil(r.max_new_tokens /
-                                                               p.decode_steps),
-      "train": exp.trainer.minibatches,
-      "sync": 1.0 / exp.sync.every_n_steps,
-  }
-  costs = {"prefill": p.prefill.cost, "decode": decode, "train": p.train_filled.cost,
-           "sync": p.sync.cost}
-  launches = {"decode": p.decode.launches["total"] * p.decode_steps} if p.decode.launches else {}
-  return {role: _terms(costs[role], chip, n, launches.get(role, 0.0))
-          for role, n in calls.items()}, calls
+  prefills = math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width))
+  decodes = math.ceil(s.samples / s.num_slots) * math.ceil(r.max_new_tokens / p.decode_steps)
+  launches = p.decode.launches["total"] * p.decode_steps if p.decode.launches else 0.0
+  train = [(p.train_filled.cost, n, 0.0)]
+  if p.old_policy is not None:  # Each later minibatch's old policy: a forward first.
+    train.append((p.old_policy.cost, n - 1, 0.0))
+  return {"prefill": [(p.prefill.cost, prefills, 0.0)], "decode": [(decode, decodes, launches)],
+          "train": train, "sync": [(p.sync.cost, 1.0 / exp.sync.every_n_steps, 0.0)]}
+
+
+def _roofline(runs: dict, chip: Chip) -> dict:
+  """role -> its compute, memory, kernel and collective seconds on `chip` over a step
+  (its programs' terms added)."""
+  return {role: {k: sum(_terms(cost, chip, n, launches)[k] for cost, n, launches in programs)
+                 for k in ("compute", "memory", "kernels", "collective")}
+          for role, programs in runs.items()}
+
+
+def _per_step_total(programs: list, field: str) -> float:
+  """A role's `field` (flops, bytes) over a step: each program's times its calls."""
+  return sum(getattr(cost, field) * n for cost, n, _ in programs)
 
 
 def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
@@ -206,12 +215,16 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
   peak = max(mem.phases.values())
   fits = peak <= chip.hbm_bytes and mem.kv_pages * s.page_size >= mem.kv_needed
   decode = decode_as_run(p, exp)
-  terms, calls = _roofline(p, exp, chip, decode)
-  predicted = {role: _seconds(t) for role, t in terms.items()}
+  runs = _runs(p, exp, decode)
+  terms = _roofline(runs, chip)
+  # Each program's own roofline, then their sum: a compute-bound update and a
+  # memory-bound forward do not overlap.
+  predicted = {role: sum(_seconds(_terms(cost, chip, n, launches)) for cost, n, launches in
+                         programs) for role, programs in runs.items()}
   predicted["step"] = sum(predicted.values())
   floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
-  cost = {"prefill": p.prefill.cost, "decode": decode, "train": p.train_filled.cost}
+  roles = ("prefill", "decode", "train")
   return Plan(
       target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
@@ -233,11 +246,12 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
           "decode": _backend(p.decode, "paged gather (jnp)")},
       predicted_s={k: round(v, 4) for k, v in predicted.items()},
       roofline_s={role: {k: round(v, 4) for k, v in t.items()} for role, t in terms.items()},
-      flops={role: c.flops * calls[role] for role, c in cost.items()},
-      hbm_bytes={**{role: c.bytes * calls[role] for role, c in cost.items()},
+      flops={role: _per_step_total(runs[role], "flops") for role in roles},
+      hbm_bytes={**{role: _per_step_total(runs[role], "bytes") for role in roles},
                  "sync": p.sync.cost.bytes},
       sync_bytes=int(p.sync_bytes),
-      grad_bytes_per_rank=int(p.train_filled.cost.collective_bytes * calls["train"]),
+      grad_bytes_per_rank=int(p.train_filled.cost.collective_bytes *
+                              exp.trainer.minibatches),
       rollout_payload_bytes=int(s.samples * exp.rollout.max_new_tokens *
                                 PAYLOAD_BYTES_PER_TOKEN),
       decode_bytes_vs_floor=round(p.decode.cost.bytes / p.decode_steps / floor, 3),

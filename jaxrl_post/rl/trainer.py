@@ -187,7 +187,7 @@ class Trainer:
     self._values = self._jit(self._completion_values)
     # Split like the batches: a later minibatch's old policy is an input of the train
     # program beside the first's (`_no_old_policy`), in the same sharding.
-    self._old = self._jit(self._old_policy_of_minibatch, **(
+    self._old = self._jit(self.minibatch_old_policy, **(
         {} if mesh is None else {"out_shardings": self._batch_sharding}))
     self._update = None  # Built by init_state, once the state's shardings are known.
     self._no_old = {}  # _no_old_policy's arrays, by shape.
@@ -297,9 +297,9 @@ class Trainer:
     `old` argument of a minibatch that the sampling parameters no longer hold."""
     return self._old(params, inputs)
 
-  def _old_policy_of_minibatch(self, params: dict, inputs: PackedInputs) -> OldPolicy:
-    """The OldPolicy of a minibatch's [M, ...] inputs: one forward body mapped over its
-    micro-batches."""
+  def minibatch_old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
+    """The OldPolicy of a minibatch's [M, ...] inputs, as `old_policy` computes it
+    unjitted (for plan to lower): one forward body mapped over its micro-batches."""
     return jax.lax.map(lambda x: self._old_policy(params, x), inputs)
 
   def _old_policy(self, params: dict, inputs: PackedInputs) -> OldPolicy:
