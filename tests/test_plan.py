@@ -186,6 +186,8 @@ def test_the_train_phase_counts_the_later_minibatches_old_policy_forward():
   train, forward = p.train_filled.cost, p.old_policy.cost
   # A forward of the same rows without the backward, the remat or the reference.
   assert 0 < forward.flops < train.flops / 2
+  # No gradients or optimizer temporaries: the memory plan's train phase is the update's.
+  assert p.old_policy.peak_bytes < p.train_filled.peak_bytes
   chip = report.local_chip(devices, 1e12, 1e11, 1 << 30)
   built = report.build(p, targets.resolve("local", 1), chip, exp, 1)
   assert built.flops["train"] == pytest.approx(2 * train.flops + forward.flops)
