@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import math
 import tempfile
@@ -39,7 +38,7 @@ from jaxrl_post.rl.packing import bucket
 from jaxrl_post.rl.trainer import (SequenceScores, StepBatch, Trainer, TrainerConfig,
                                    TrainState, optimizer_state_shardings)
 from jaxrl_post.rollout.pages import PoolConfig, page_bytes, pool_budget
-from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES, activation_rules,
+from jaxrl_post.sharding import (MeshConfig, ROLLOUT_RULES, TRAINING_RULES,
                                  logical_to_spec, make_mesh, mesh_platform, tree_shardings)
 
 GB = 1e9
@@ -347,14 +346,8 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
   It traces under the trainer's activation rules (the model's logical constraints keep
   each device on its own rows).
   """
-  rules = getattr(trainer, "rules", TRAINING_RULES)
-
-  @functools.wraps(trainer.minibatch_update)
-  def traced(*args, **kwargs):
-    with activation_rules(rules, trainer.mesh):
-      return trainer.minibatch_update(*args, **kwargs)
-
-  step = jax.jit(traced, donate_argnums=0, out_shardings=(_state_shardings(state), None))
+  step = trainer.jit(trainer.minibatch_update, donate_argnums=0,
+                     out_shardings=(_state_shardings(state), None))
   n = batch.sequence.shape[1] * batch.sequence.shape[0]
   replicated = NamedSharding(trainer.mesh, PartitionSpec())
   f32 = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=replicated)
@@ -365,15 +358,9 @@ def lower_train_step(trainer: Trainer, state: TrainState, batch: StepBatch,
 def lower_old_policy(trainer: Trainer, state: TrainState, batch: StepBatch):
   """The old-policy forward a rollout batch of several minibatches runs for each later
   one (`Trainer.old_policy`), jitted as the trainer jits it, lowered on abstract inputs."""
-  rules = getattr(trainer, "rules", TRAINING_RULES)
-
-  @functools.wraps(trainer.minibatch_old_policy)
-  def traced(*args):
-    with activation_rules(rules, trainer.mesh):
-      return trainer.minibatch_old_policy(*args)
-
   # Split like the batch, as the trainer's program returns it.
-  forward = jax.jit(traced, out_shardings=batch.inputs.completion_mask.sharding)
+  forward = trainer.jit(trainer.minibatch_old_policy,
+                        out_shardings=batch.inputs.completion_mask.sharding)
   with _gpu_target(trainer.mesh):
     return forward.lower(trainer.full_params(state), batch.inputs)
 
@@ -449,7 +436,7 @@ def _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens, completion_le
   experts = None if model_cfg.moe is None else (model_cfg.num_layers,
                                                  model_cfg.moe.experts_per_token)
   batch = abstract_step_batch(mesh, micro_batches, rows, row_tokens, sequences,
-                              completion_len, head, getattr(trainer, "rules", TRAINING_RULES),
+                              completion_len, head, trainer.rules,
                               experts)
   return trainer, abstract_train_state(trainer, mesh), batch
 

@@ -195,10 +195,8 @@ def _runs(p: Programs, exp, decode: ProgramCost) -> dict:
 
 
 def _roofline(runs: dict, chip: Chip) -> dict:
-  """role -> its compute, memory, kernel and collective seconds on `chip` over a step
-  (its programs' terms added)."""
-  return {role: {k: sum(_terms(cost, chip, n, launches)[k] for cost, n, launches in programs)
-                 for k in ("compute", "memory", "kernels", "collective")}
+  """role -> the roofline terms (`_terms`) of each of its programs on `chip` over a step."""
+  return {role: [_terms(cost, chip, n, launches) for cost, n, launches in programs]
           for role, programs in runs.items()}
 
 
@@ -216,11 +214,10 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
   fits = peak <= chip.hbm_bytes and mem.kv_pages * s.page_size >= mem.kv_needed
   decode = decode_as_run(p, exp)
   runs = _runs(p, exp, decode)
-  terms = _roofline(runs, chip)
+  per_program = _roofline(runs, chip)
   # Each program's own roofline, then their sum: a compute-bound update and a
   # memory-bound forward do not overlap.
-  predicted = {role: sum(_seconds(_terms(cost, chip, n, launches)) for cost, n, launches in
-                         programs) for role, programs in runs.items()}
+  predicted = {role: sum(map(_seconds, terms)) for role, terms in per_program.items()}
   predicted["step"] = sum(predicted.values())
   floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
@@ -245,7 +242,8 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
           "prefill": _backend(p.prefill, "paged gather (jnp)"),
           "decode": _backend(p.decode, "paged gather (jnp)")},
       predicted_s={k: round(v, 4) for k, v in predicted.items()},
-      roofline_s={role: {k: round(v, 4) for k, v in t.items()} for role, t in terms.items()},
+      roofline_s={role: {k: round(sum(t[k] for t in terms), 4) for k in terms[0]}
+                  for role, terms in per_program.items()},
       flops={role: _per_step_total(runs[role], "flops") for role in roles},
       hbm_bytes={**{role: _per_step_total(runs[role], "bytes") for role in roles},
                  "sync": p.sync.cost.bytes},

@@ -183,19 +183,20 @@ class Trainer:
       self._inputs_sharding = NamedSharding(mesh, PartitionSpec(axes))  # [R, ...], [B, ...]
       self._batch_sharding = NamedSharding(mesh, PartitionSpec(None, axes))  # [M, R or B, ...]
       self._replicated = NamedSharding(mesh, PartitionSpec())
-    self._logprobs = self._jit(self._completion_logprobs)
-    self._values = self._jit(self._completion_values)
+    self._logprobs = self.jit(self._completion_logprobs)
+    self._values = self.jit(self._completion_values)
     # Split like the batches: a later minibatch's old policy is an input of the train
     # program beside the first's (`_no_old_policy`), in the same sharding.
-    self._old = self._jit(self.minibatch_old_policy, **(
+    self._old = self.jit(self.minibatch_old_policy, **(
         {} if mesh is None else {"out_shardings": self._batch_sharding}))
     self._update = None  # Built by init_state, once the state's shardings are known.
     self._no_old = {}  # _no_old_policy's arrays, by shape.
 
-  def _jit(self, fn, **kwargs):
-    """jax.jit of fn traced under this trainer's activation rules. The rules must be active
-    while jax traces (not around a call). Inputs arrive placed (`place_*`), so their own
-    shardings are the programs' input shardings."""
+  def jit(self, fn, **kwargs):
+    """jax.jit of fn traced under this trainer's activation rules, as every program of the
+    trainer is (and as plan lowers them). The rules must be active while jax traces (not
+    around a call). Inputs arrive placed (`place_*`), so their own shardings are the
+    programs' input shardings."""
     @functools.wraps(fn)
     def traced(*args, **kw):
       with activation_rules(self.rules, self.mesh):
@@ -262,7 +263,7 @@ class Trainer:
       state = jax.device_put(state, placed)
       # Metrics replicated (small, and every process can read them).
       out = {"out_shardings": (placed, self._replicated)}
-    self._update = self._jit(self.minibatch_update, donate_argnums=0, **out)
+    self._update = self.jit(self.minibatch_update, donate_argnums=0, **out)
     return state
 
   def full_params(self, state: TrainState) -> dict:
