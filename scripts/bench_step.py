@@ -58,6 +58,13 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     programs the list by name and phase. The census disables JAX's C++ dispatch fast path,
     so it is taken in one extra step that is not timed.
   compilations_in_timed_steps: XLA compilations during the timed steps (0: shapes fixed).
+  plan (with --plan): what `python -m jaxrl_post.plan` predicts for this same workload on
+    these devices (report.plan_of with the local target: a known accelerator's published
+    peaks, else peaks measured here), beside the medians measured above: predicted_s and
+    measured_s per device phase (rollout = prefill + decode, train, sync) and for the
+    step, predicted_over_measured, the plan's roofline terms and the chip's peaks they
+    divide by, and host_s, the measured
+    time of the phases the plan does not model (reward, advantage, pack, waiting).
 
 On a CPU the absolute figures describe this host only (XLA's CPU matmuls, shared cores);
 the ratios measured in one run (roofline fractions, counts) are what to compare.
@@ -446,6 +453,26 @@ def summarise(timings: list[dict], census: DispatchCensus, peak: float, devices:
   }
 
 
+def planned_beside_measured(exp: Experiment, out: dict) -> dict:
+  """The plan's prediction for `exp` on the local devices beside the measured medians of
+  `out` (summarise's phase_s and step_s): the same workload, so the ratio is the
+  planner's error on this device (docs/BENCHMARKS.md explains it per phase)."""
+  from jaxrl_post.plan import report, targets
+  target = targets.resolve("local")
+  plan = report.plan_of(exp, target, targets.target_devices(target))
+  p = plan.predicted_s
+  predicted = {"rollout": p["prefill"] + p["decode"], "train": p["train"], "sync": p["sync"],
+               "step": p["step"]}
+  measured = {**{k: out["phase_s"][k] for k in ("rollout", "train", "sync")},
+              "step": out["step_s"]}
+  chip = {k: plan.chip[k] for k in ("name", "bf16_flops_per_s", "hbm_bytes_per_s")}
+  return {"chip": chip, "predicted_s": predicted, "measured_s": measured,
+          "predicted_over_measured": {k: predicted[k] / measured[k] if measured[k] > 0
+                                      else None for k in predicted},
+          "roofline_s": plan.roofline_s,
+          "host_s": sum(out["phase_s"][k] for k in ("reward", "advantage", "pack", "waiting"))}
+
+
 def run(args) -> dict[str, Any]:
   w = workload(args)
   with tempfile.TemporaryDirectory() as workdir:
@@ -482,6 +509,8 @@ def run(args) -> dict[str, Any]:
   out["backend"] = jax.default_backend()
   out["jax"] = jax.__version__
   out["date"] = datetime.date.today().isoformat()
+  if args.plan:  # After the run, its memory freed: the plan compiles the programs again.
+    out["plan"] = planned_beside_measured(experiment(w), out)
   return out
 
 
@@ -512,6 +541,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", default=None, choices=REMAT_POLICIES,
                  help="activation checkpointing of the training forward (default: the "
                       "model's: dots_no_batch for tiny-llama, none for the others)")
+  p.add_argument("--plan", action="store_true",
+                 help="add the planner's predicted phases for this workload beside the "
+                      "measured ones (compiles the plan's programs after the run)")
   p.add_argument("--quick", action="store_true",
                  help="the micro model, 2x2 prompts, 8 + 8 tokens: a smoke run")
   return p

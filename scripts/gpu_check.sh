@@ -14,7 +14,8 @@
 # given): decode % of the HBM roofline at 64 and 256 slots (1B and SmolLM2 shapes, with a
 # per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, the
 # Tinker service's forward_backward tokens/s with 4 concurrent adapters against 4 in turn
-# (SmolLM2-135M), and plan's predicted 1B step on this GPU beside the measured one.
+# (SmolLM2-135M), and plan's prediction of that same 1B step on this GPU beside the
+# measured one, phase by phase (step_1b's `plan`).
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
 #        QUICK=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -23,7 +24,7 @@ if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/results/gpu_check_$(date +%F).json}
 if [[ -n "${QUICK:-}" ]]; then
-  PARTS=${PARTS:-"decode kernels step_1b serve plan_1b"}; BUDGET=${BUDGET_S:-360}
+  PARTS=${PARTS:-"decode kernels step_1b serve"}; BUDGET=${BUDGET_S:-360}
   SLOTS=${DECODE_SLOTS:-64,256}
 else
   SLOTS=${DECODE_SLOTS:-64,256,512}
@@ -66,14 +67,15 @@ part kernels "$PY" scripts/bench_kernels.py --json
 part rollout "$PY" scripts/bench_rollout.py --json
 part sync "$PY" scripts/bench_sync.py --json
 part step "$PY" scripts/bench_step.py --json
-# Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak.
-part step_1b "$PY" scripts/bench_step.py --json --model llama-1b
+# Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak, and
+# the planner's prediction of the same step on this device beside it (--plan).
+part step_1b "$PY" scripts/bench_step.py --json --model llama-1b --plan
 # The Tinker service on this GPU: one adapter and four, concurrent against in turn.
 part serve "$PY" scripts/bench_serve.py --shapes smollm2-135m --adapters 1,4 --steps 3 \
   --repeats 2 --tokens 128
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json ${GENERATE_ARGS:-}
-# The planner's predicted step on this GPU, beside the measured ones above (docs/BENCHMARKS.md
+# The planner's predicted step on this GPU for the shipped configs (docs/BENCHMARKS.md
 # "Planning"): the quickstart, and the 1B GSM8K config from its published config.json.
 part plan "$PY" -m jaxrl_post.plan --gin_file=configs/quickstart.gin --json
 part plan_1b "$PY" -m jaxrl_post.plan --gin_file=configs/tpu/llama3.2-1b_gsm8k_v5e-8.gin \

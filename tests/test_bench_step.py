@@ -15,7 +15,7 @@ def _bench_step():
 
 def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert _bench_step().main(["--quick", "--steps", "1", "--warmup", "1", "--devices", "1",
-                             "--remat", "dots_no_batch", "--json"]) == 0
+                             "--remat", "dots_no_batch", "--plan", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["step_s"] > 0 and set(out["phase_s"]) == PHASES
   assert out["phase_s"]["rollout"] > 0 and out["phase_s"]["train"] > 0
@@ -40,6 +40,20 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert out["devices"] == 1 and out["workload"]["rollouts"] == 4
   assert out["workload"]["remat"] == "dots_no_batch"
   assert out["peak_flops_per_s"] is None and out["mfu"] is None  # a CPU has no listed peak
+  # The planner's prediction for the same workload beside what was measured.
+  plan = out["plan"]
+  assert plan["chip"]["name"] == "local cpu" and plan["chip"]["hbm_bytes_per_s"] > 0
+  assert plan["measured_s"] == {**{k: out["phase_s"][k] for k in ("rollout", "train", "sync")},
+                                "step": out["step_s"]}
+  assert set(plan["predicted_s"]) == set(plan["predicted_over_measured"]) == {
+      "rollout", "train", "sync", "step"}
+  assert plan["predicted_s"]["train"] > 0 and plan["predicted_over_measured"]["train"] > 0
+  assert plan["predicted_s"]["rollout"] == pytest.approx(
+      sum(max(t["compute"], t["memory"]) + t["kernels"] + t["collective"]
+          for role, t in plan["roofline_s"].items() if role in ("prefill", "decode")),
+      abs=2e-4)  # The plan rounds each figure to 0.1 ms.
+  assert plan["host_s"] == pytest.approx(sum(out["phase_s"][k] for k in
+                                             ("reward", "advantage", "pack", "waiting")))
 
 
 def test_mfu_is_against_the_devices_bfloat16_peak():

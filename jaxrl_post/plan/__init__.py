@@ -5,7 +5,8 @@
 topologies, GPU nodes); `programs` compiles a run's own programs for a target;
 `hlo_cost` reads their FLOPs, bytes and launches from the compiled text, loops counted;
 `buffers` names their largest allocations; `report` turns all of it into predicted
-seconds and the verdict. The CLI is `python -m jaxrl_post.plan`.
+seconds and the verdict (`report.plan_of`: an Experiment's Plan on a target, what the CLI
+and `scripts/bench_step.py --plan` call). The CLI is `python -m jaxrl_post.plan`.
 """
 
 from jaxrl_post.plan.memory import (GB, Allocation, CompiledMemory, PoolPlan, TrainStepMemory,

@@ -17,13 +17,11 @@ and prints the fastest, ready to paste as --gin_param, with the runners-up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import time
 from typing import Optional, Sequence
 
-from jaxrl_post import compile_cache, cuda_plugin, plugins
+from jaxrl_post import compile_cache, plugins
 from jaxrl_post.errors import UserError
 from jaxrl_post.plan import targets
 
@@ -48,29 +46,6 @@ def _parser() -> argparse.ArgumentParser:
   compile_cache.add_cache_flag(p)
   plugins.add_import_flag(p)
   return p
-
-
-def measured_peaks(devices) -> tuple[float, float]:
-  """(FLOP/s, bytes/s) of one local device, measured: a large matmul and a large copy in
-  the model's float32 (the CPU has no bfloat16 matmul units worth the name)."""
-  import jax
-  import jax.numpy as jnp
-
-  def best(fn, *args, repeats=5):
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      fn(*args).block_until_ready()
-      times.append(time.perf_counter() - t0)
-    return min(times)
-
-  n = 1024
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
-  flops = 2 * n ** 3 / best(jax.jit(lambda x: x @ x), a)
-  big = jax.device_put(jnp.ones((16 << 20,), jnp.float32), devices[0])
-  bandwidth = 2 * big.nbytes / best(jax.jit(lambda x: x * 1.0001), big)
-  return flops, bandwidth
 
 
 def run(argv: Sequence[str]) -> int:
@@ -108,43 +83,22 @@ def _experiment(gin_files, gin_params):
   return config.build_experiment()
 
 
-def _devices(exp, found):
-  devices = found.devices
-  return devices[:exp.placement.num_devices] if exp.placement.num_devices else devices
-
-
 def _plan(gin_files, gin_params, target, found):
   """The Plan of the config (files + bindings) on `target`'s devices `found`."""
-  from jaxrl_post.plan import programs, report
+  from jaxrl_post.plan import report
 
   exp = _experiment(gin_files, gin_params)
-  devices = _devices(exp, found)
   try:
-    compiled = programs.compile_programs(exp, devices)
+    return report.plan_of(exp, target, found)
   except Exception as e:  # noqa: BLE001  (jax raises its runtime error type)
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    raise _OutOfMemory(len(devices), str(e)) from e
-  stats = True  # A target's memory is known; a local device may report none (the CPU).
-  if target.chip is None:  # A known accelerator's published peaks: a short benchmark on a
-    # GPU times its launches, not its peaks (an H100 measured 10 TFLOP/s and 0.96 TB/s).
-    known = targets.chip_of_kind(devices[0].device_kind)
-    peaks = ((known.bf16_flops_per_s, known.hbm_bytes_per_s) if known
-             else measured_peaks(devices))
-    capacity = programs.local_chip_memory(devices)
-    chip, stats = report.local_chip(devices, *peaks, capacity), capacity is not None
-  else:
-    share = target.chips / len(devices)  # a v4 chip shows as two devices
-    chip = target.chip if share == 1 else _per_device(target.chip, share)
-    if chip.platform == "gpu":  # What jax's allocator holds of it in a run.
-      chip = dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * cuda_plugin.gpu_memory_share())
-  return report.build(compiled, target, chip, exp, len(devices), found.compiled_for,
-                      memory_stats=stats)
+    raise _OutOfMemory(len(report.run_devices(exp, found)), str(e)) from e
 
 
 def _fit(args, target, found) -> int:
   """plan --fit: the fastest bindings that fit (plan.fit), printed ready to paste."""
-  from jaxrl_post.plan import fit, memory
+  from jaxrl_post.plan import fit, memory, report
   from jaxrl_post.sharding import build_meshes
 
   def plan_with(bindings):
@@ -154,7 +108,8 @@ def _fit(args, target, found) -> int:
       raise UserError(f"the compiler refused a program: {e.message.splitlines()[0]}") from e
 
   experiment = lambda bindings: _experiment(args.gin_file, [*args.gin_param, *bindings])
-  mesh = lambda exp: dict(build_meshes(exp.placement, _devices(exp, found)).rollout.shape)
+  mesh = lambda exp: dict(build_meshes(exp.placement,
+                                      report.run_devices(exp, found)).rollout.shape)
   log = (lambda line: print(line, file=sys.stderr)) if args.json else print
   with memory.compiling_once():  # Candidates share most of their programs.
     candidates = fit.search(plan_with, experiment, mesh, budget=args.fit_budget, log=log)
@@ -181,12 +136,6 @@ def _out_of_memory(args, target, devices: int, message: str) -> int:
     print(f"plan for {target.name}: {devices} device(s)\nverdict: does NOT fit: the "
           f"compiler refused a program: {line}")
   return 1
-
-
-def _per_device(chip, share: float):
-  return dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * share,
-                             hbm_bytes_per_s=chip.hbm_bytes_per_s * share,
-                             bf16_flops_per_s=chip.bf16_flops_per_s * share)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -24,8 +24,9 @@ from jaxrl_post import cuda_plugin
 from jaxrl_post.errors import UserError
 from jaxrl_post.plan.hlo_cost import ProgramCost
 from jaxrl_post.plan.memory import GB, CompiledMemory, kv_head_shards, rollout_bytes
-from jaxrl_post.plan.programs import Programs
-from jaxrl_post.plan.targets import Chip, Target
+from jaxrl_post.plan.programs import Programs, compile_programs, local_chip_memory
+from jaxrl_post.plan.targets import (Chip, Devices, Target, chip_of_kind, measured_peaks,
+                                    per_device)
 from jaxrl_post.rollout.layout import batch_shards
 from jaxrl_post.rollout.pages import (pool_page_bytes, pool_pages, window_layers,
                                       window_share)
@@ -342,6 +343,35 @@ def text(plan: Plan) -> str:
     lines.append(f"  largest: {buf['bytes'] / GB:.3f} GB {buf['values']}")
   lines.extend(f"note: {n}" for n in plan.notes)
   return "\n".join(lines)
+
+
+def run_devices(exp, found: Devices) -> list:
+  """The devices of `found` (targets.target_devices) a run of `exp` uses: its placement's
+  num_devices first ones, or all of them."""
+  devices = found.devices
+  return devices[:exp.placement.num_devices] if exp.placement.num_devices else devices
+
+
+def plan_of(exp, target: Target, found: Devices) -> Plan:
+  """The Plan of Experiment `exp` on `target`'s devices `found`: the run's programs
+  compiled there, timed on the target's chip, or on a local device's (a known
+  accelerator's published peaks, else peaks measured on it)."""
+  devices = run_devices(exp, found)
+  compiled = compile_programs(exp, devices)
+  stats = True  # A target's memory is known; a local device may report none (the CPU).
+  if target.chip is None:
+    known = chip_of_kind(devices[0].device_kind)
+    peaks = ((known.bf16_flops_per_s, known.hbm_bytes_per_s) if known
+             else measured_peaks(devices))
+    capacity = local_chip_memory(devices)
+    chip, stats = local_chip(devices, *peaks, capacity), capacity is not None
+  else:
+    share = target.chips / len(devices)  # a v4 chip shows as two devices
+    chip = target.chip if share == 1 else per_device(target.chip, share)
+    if chip.platform == "gpu":  # What jax's allocator holds of it in a run.
+      chip = dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * cuda_plugin.gpu_memory_share())
+  return build(compiled, target, chip, exp, len(devices), found.compiled_for,
+               memory_stats=stats)
 
 
 def local_chip(devices, measured_flops: float, measured_bw: float,

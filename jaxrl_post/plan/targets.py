@@ -222,3 +222,38 @@ def target_devices(target: Target) -> Devices:
   why = "target" if target.chip is None else (
       "host backend: no GPU compiler here (pip install -e '.[gpu-plan]' compiles for the GPU)")
   return Devices(devices[:target.chips] if target.chips else devices, why)
+
+
+def measured_peaks(devices) -> tuple[float, float]:
+  """(FLOP/s, bytes/s) of one local device, measured: a large matmul and a large copy in
+  float32 (the CPU has no bfloat16 matmul units worth the name). Only for devices with
+  no published peaks: a short benchmark on a GPU times its launches, not its peaks (an
+  H100 measured 10 TFLOP/s and 0.96 TB/s)."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+
+  def best(fn, *args, repeats=5):
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn(*args).block_until_ready()
+      times.append(time.perf_counter() - t0)
+    return min(times)
+
+  n = 1024
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
+  flops = 2 * n ** 3 / best(jax.jit(lambda x: x @ x), a)
+  big = jax.device_put(jnp.ones((16 << 20,), jnp.float32), devices[0])
+  bandwidth = 2 * big.nbytes / best(jax.jit(lambda x: x * 1.0001), big)
+  return flops, bandwidth
+
+
+def per_device(chip: Chip, share: float) -> Chip:
+  """A chip's memory and peaks for one of its devices holding `share` of it (a v4 chip
+  shows as two devices)."""
+  return dataclasses.replace(chip, hbm_bytes=chip.hbm_bytes * share,
+                             hbm_bytes_per_s=chip.hbm_bytes_per_s * share,
+                             bf16_flops_per_s=chip.bf16_flops_per_s * share)
