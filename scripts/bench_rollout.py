@@ -30,7 +30,9 @@ Prints one JSON object (with --json; otherwise one "key: value" line each):
   HBM roofline for a 1B-class shape (llama3.2-1b, random bf16 weights) at each `--slots`
   count (default 64, 256 and 512: an RL step decodes hundreds of sequences at once), where
   the roofline step time is (weight bytes + KV bytes read) / bandwidth (H100 3.35 TB/s,
-  H200 4.8 TB/s).
+  H200 4.8 TB/s). With `--group-slots K` the slots are groups of K samples of one prompt
+  decoding with cascade attention, as a GRPO step's rollout does, and the roofline reads
+  each prompt's KV once a step.
 
 The CPU part uses a tiny model and takes a few minutes at most; absolute CPU times say
 nothing about accelerators, only the ratios measured side by side count.
@@ -216,23 +218,29 @@ def _peak_bandwidth() -> float | None:
 
 def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
                     completion: int = 256, steps: int = 32,
-                    profile_dir: str | None = None) -> dict:
-  """Decode tokens/s of `cfg` (bf16, random weights) and its share of the HBM roofline."""
+                    profile_dir: str | None = None, group: int = 0) -> dict:
+  """Decode tokens/s of `cfg` (bf16, random weights) and its share of the HBM roofline.
+
+  group: 0, every slot its own prompt (plain paged attention); K, slots / K prompts of K
+  samples each decoding with cascade attention (EngineConfig.group_slots = K, as every
+  GRPO config runs), whose roofline reads each prompt's KV once per step, not K times."""
   model = init_model(cfg, seed=0)
   page_size = 16
   max_seq_len = prompt_len + completion
   config = EngineConfig(num_slots=slots, decode_steps=steps, prefill_chunk=prompt_len,
                         max_seq_len=max_seq_len, min_table_pages=cdiv(max_seq_len, page_size),
+                        group_slots=group,
                         pool=PoolConfig(page_size=page_size,
                                         num_pages=slots * cdiv(max_seq_len, page_size) + 1))
   engine = Engine.from_model(model, config)
   rng = np.random.default_rng(0)
   sampling = SamplingParams(temperature=1.0, max_tokens=completion)
-  for slot, prompt in enumerate(_prompts(rng, [prompt_len] * slots, cfg.vocab_size)):
-    prefix = engine.new_prefix(prompt, sampling, seed=slot, sample_ids=[0])
+  k = group or 1
+  for g, prompt in enumerate(_prompts(rng, [prompt_len] * (slots // k), cfg.vocab_size)):
+    prefix = engine.new_prefix(prompt, sampling, seed=g, sample_ids=range(k))
     while not engine.prefill(prefix):
       pass
-    engine.insert(prefix, slot)
+    engine.bulk_insert(prefix, list(range(g * k, (g + 1) * k)))
   # Step j of a slot feeds the token at position prompt_len + j: it reads that many + 1 keys.
   done = int((engine.generate().tokens[0] >= 0).sum())  # Compiles; not timed.
   timed_steps, seconds, contexts = 0, 0.0, []
@@ -249,8 +257,12 @@ def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
     timed_steps, done = timed_steps + produced, done + produced
   step_s = seconds / timed_steps
   weight_bytes = cfg.num_params * 2
-  kv_bytes = slots * float(np.mean(contexts)) * page_bytes(cfg, 1, "bfloat16")
-  result = {"decode_slots": slots, "decode_context": [prompt_len, prompt_len + completion],
+  # Keys a step reads: each prompt once per block with cascade, every slot its own after.
+  own = float(np.mean(contexts)) - (prompt_len if group else 0)
+  keys = slots * own + (slots // k * prompt_len if group else 0)
+  kv_bytes = keys * page_bytes(cfg, 1, "bfloat16")
+  result = {"decode_slots": slots, "decode_group_slots": group,
+            "decode_context": [prompt_len, prompt_len + completion],
             "decode_tokens_per_s": round(slots / step_s, 1),
             "decode_step_ms": round(1e3 * step_s, 3),
             "device": jax.devices()[0].device_kind}
@@ -306,7 +318,8 @@ def _decode_figures(args) -> list:
     cfg = base.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     for slots in (int(s) for s in args.slots.split(",")):
       with tempfile_dir(args.profile) as tmp:
-        figures.append({"model": name, **decode_roofline(cfg, slots=slots, profile_dir=tmp)})
+        figures.append({"model": name, **decode_roofline(cfg, slots=slots, profile_dir=tmp,
+                                                         group=args.group_slots)})
   return figures
 
 
@@ -326,6 +339,9 @@ def main(argv=None) -> int:
                  help="comma-separated decode slot counts (an RL step decodes hundreds)")
   p.add_argument("--models", default="llama3.2-1b",
                  help="comma-separated presets for the decode roofline (or tiny)")
+  p.add_argument("--group-slots", type=int, default=0,
+                 help="decode roofline with cascade attention: slots / K prompts of K samples "
+                      "(0: every slot its own prompt, plain paged attention)")
   p.add_argument("--profile", action="store_true",
                  help="add a per-kernel profile of one decode call to each decode figure")
   args = p.parse_args(argv)

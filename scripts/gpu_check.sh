@@ -14,8 +14,9 @@
 # given): decode % of the HBM roofline at 64 and 256 slots (1B and SmolLM2 shapes, with a
 # per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, the
 # Tinker service's forward_backward tokens/s with 4 concurrent adapters against 4 in turn
-# (SmolLM2-135M), and plan's prediction of that same 1B step on this GPU beside the
-# measured one, phase by phase (step_1b's `plan`).
+# (SmolLM2-135M), plan's prediction of that same 1B step on this GPU beside the
+# measured one, phase by phase (step_1b's `plan`), and, if time is left, 1B decode at
+# 256 slots with cascade attention (32 prompts x 8 samples).
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
 #        QUICK=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -24,11 +25,11 @@ if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=${PYTHON:-python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_FILE=${GPU_CHECK_OUT:-docs/results/gpu_check_$(date +%F).json}
 if [[ -n "${QUICK:-}" ]]; then
-  PARTS=${PARTS:-"decode kernels step_1b serve"}; BUDGET=${BUDGET_S:-360}
+  PARTS=${PARTS:-"decode kernels step_1b serve decode_cascade"}; BUDGET=${BUDGET_S:-360}
   SLOTS=${DECODE_SLOTS:-64,256}
 else
   SLOTS=${DECODE_SLOTS:-64,256,512}
-  PARTS=${PARTS:-"tests greedy decode kernels rollout sync step step_1b serve scale generate plan plan_1b"}
+  PARTS=${PARTS:-"tests greedy decode decode_cascade kernels rollout sync step step_1b serve scale generate plan plan_1b"}
   BUDGET=${BUDGET_S:-0}
 fi
 LIMIT=${PART_TIMEOUT_S:-900}
@@ -73,6 +74,11 @@ part step_1b "$PY" scripts/bench_step.py --json --model llama-1b --plan
 # The Tinker service on this GPU: one adapter and four, concurrent against in turn.
 part serve "$PY" scripts/bench_serve.py --shapes smollm2-135m --adapters 1,4 --steps 3 \
   --repeats 2 --tokens 128
+# 1B decode at 256 slots as a GRPO rollout decodes it: 32 prompts of 8 samples, cascade
+# attention reading each prompt's KV once a step (after the parts above: in QUICK it runs
+# if time is left).
+part decode_cascade "$PY" scripts/bench_rollout.py --decode-only --slots 256 \
+  --models llama3.2-1b --group-slots 8 --profile --json
 part scale "$PY" scripts/bench_scale.py --json
 part generate "$PY" scripts/bench_generate.py --json ${GENERATE_ARGS:-}
 # The planner's predicted step on this GPU for the shipped configs (docs/BENCHMARKS.md

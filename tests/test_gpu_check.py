@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.xla import host_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -53,7 +55,7 @@ def test_the_quick_check_names_its_parts_within_its_budget(tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-2000:]
   parts = json.loads(out.read_text())["parts"]
-  assert list(parts) == ["decode", "kernels", "step_1b", "serve"]
+  assert list(parts) == ["decode", "kernels", "step_1b", "serve", "decode_cascade"]
 
 
 def test_the_decode_part_reports_the_roofline_and_a_kernel_profile(tmp_path):
@@ -69,3 +71,22 @@ def test_the_decode_part_reports_the_roofline_and_a_kernel_profile(tmp_path):
   assert [d["decode_slots"] for d in decode] == [2, 4]
   for d in decode:
     assert d["decode_tokens_per_s"] > 0 and d["profile"]["decode_steps"] == 32
+
+
+def test_cascade_decode_roofline_reads_each_prompt_once(monkeypatch):
+  """--group-slots K: slots / K prompts of K samples decode with cascade attention, and the
+  roofline reads each prompt's KV once a step; the same steps otherwise, so the two
+  rooflines differ by exactly the prompt KV the other K - 1 samples do not reread."""
+  from jaxrl_post.rollout.pages import page_bytes
+  from tests import scripts
+  bench = scripts.load("bench_rollout")
+  monkeypatch.setattr(bench, "_peak_bandwidth", lambda: 1e9)
+  cfg = bench.TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  run = lambda group: bench.decode_roofline(cfg, slots=8, prompt_len=32, completion=24,
+                                            steps=8, group=group)
+  plain, cascade = run(0), run(4)
+  assert (plain["decode_group_slots"], cascade["decode_group_slots"]) == (0, 4)
+  assert cascade["decode_tokens_per_s"] > 0
+  saved = (8 - 8 // 4) * 32 * page_bytes(cfg, 1, "bfloat16") / 1e9
+  assert plain["roofline_step_ms"] - cascade["roofline_step_ms"] == pytest.approx(
+      1e3 * saved, abs=2e-3)  # Both rounded to 1 us.
