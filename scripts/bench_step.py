@@ -138,6 +138,7 @@ class Workload:
   devices: int = 0  # The first N devices (0: all of them), colocated.
   sequences_per_row: int = 1  # Packed row length: this many whole sequences.
   remat: Optional[str] = None  # Activation checkpointing (None: the model's own).
+  micro_batches: int = 1  # Gradient-accumulation chunks of the one optimizer step.
 
   @property
   def rollouts(self) -> int:
@@ -172,6 +173,7 @@ def experiment(w: Workload) -> Experiment:
                           max_new_tokens=w.new_tokens, temperature=1.0, engine=engine),
       # A KL term, so the step has its reference forward (at kl_coef 0 there is none).
       trainer=TrainerConfig(row_tokens=w.sequences_per_row * w.sequence_tokens,
+                            micro_batches=w.micro_batches,
                             loss=LossConfig(kl_coef=0.001),
                             optimizer=OptimizerConfig(learning_rate=1e-5)),
       sft=SftConfig(steps=0), eval=EvalSpec(every_n_steps=0, num_problems=1),
@@ -499,7 +501,7 @@ def run(args) -> dict[str, Any]:
   out["compilations_in_timed_steps"] = timed_compiles
   out["workload"] = {**dataclasses.asdict(w), "rollouts": trajectories,
                      "optimizer_steps": 1, "params": model_cfg.num_params,
-                     "remat": model_cfg.remat,
+                     "remat": model_cfg.remat, "train_tokens": trajectories * w.sequence_tokens,
                      "compute_dtype": model_cfg.compute_dtype, "steps": args.steps,
                      "warmup": args.warmup}
   out["device"] = jax.devices()[0].device_kind
@@ -519,9 +521,11 @@ def workload(args) -> Workload:
   if args.quick:
     return Workload("micro", prompts=2, samples=2, prompt_tokens=8, new_tokens=8,
                     compute_dtype=args.compute_dtype, devices=args.devices,
-                    sequences_per_row=args.sequences_per_row, remat=args.remat)
+                    sequences_per_row=args.sequences_per_row, remat=args.remat,
+                    micro_batches=args.micro_batches)
   return Workload(args.model, prompts, samples, args.prompt_tokens, args.new_tokens,
-                  args.compute_dtype, args.devices, args.sequences_per_row, args.remat)
+                  args.compute_dtype, args.devices, args.sequences_per_row, args.remat,
+                  args.micro_batches)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -538,6 +542,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
   p.add_argument("--sequences-per-row", type=int, default=1,
                  help="whole sequences per packed row (TrainerConfig.row_tokens)")
+  p.add_argument("--micro-batches", type=int, default=1,
+                 help="gradient-accumulation chunks of the optimizer step (TrainerConfig."
+                      "micro_batches): an RL-sized minibatch's activations in pieces")
   p.add_argument("--remat", default=None, choices=REMAT_POLICIES,
                  help="activation checkpointing of the training forward (default: the "
                       "model's: dots_no_batch for tiny-llama, none for the others)")

@@ -12,11 +12,11 @@
 # JSON is still written: time on a GPU host is often short.
 # QUICK=1 runs the parts that fit in about 6 minutes of device time (BUDGET_S 360 unless
 # given): decode % of the HBM roofline at 64 and 256 slots (1B and SmolLM2 shapes, with a
-# per-kernel profile), the kernels' % of HBM peak, the 1B GRPO step's MFU by phase, the
-# Tinker service's forward_backward tokens/s with 4 concurrent adapters against 4 in turn
-# (SmolLM2-135M), plan's prediction of that same 1B step on this GPU beside the
-# measured one, phase by phase (step_1b's `plan`), and, if time is left, 1B decode at
-# 256 slots with cascade attention (32 prompts x 8 samples).
+# per-kernel profile), the kernels' % of HBM peak, an RL-sized 1B GRPO step's MFU by phase
+# (32,768 train tokens) with plan's prediction of that same step on this GPU beside it,
+# phase by phase (step_1b's `plan`), the Tinker service's forward_backward tokens/s with 4
+# concurrent adapters against 4 in turn (SmolLM2-135M), and, if time is left, 1B decode
+# at 256 slots with cascade attention (32 prompts x 8 samples).
 # Usage: bash scripts/gpu_check.sh            PARTS="tests greedy kernels" bash scripts/gpu_check.sh
 #        QUICK=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -29,7 +29,7 @@ if [[ -n "${QUICK:-}" ]]; then
   SLOTS=${DECODE_SLOTS:-64,256}
 else
   SLOTS=${DECODE_SLOTS:-64,256,512}
-  PARTS=${PARTS:-"tests greedy decode decode_cascade kernels rollout sync step step_1b serve scale generate plan plan_1b"}
+  PARTS=${PARTS:-"tests greedy decode decode_cascade kernels rollout sync step step_1b step_1b_8x8 serve scale generate plan plan_1b"}
   BUDGET=${BUDGET_S:-0}
 fi
 LIMIT=${PART_TIMEOUT_S:-900}
@@ -68,9 +68,16 @@ part kernels "$PY" scripts/bench_kernels.py --json
 part rollout "$PY" scripts/bench_rollout.py --json
 part sync "$PY" scripts/bench_sync.py --json
 part step "$PY" scripts/bench_step.py --json
-# Llama-3.2-1B's shapes in bfloat16: the train step's MFU against the device's peak, and
-# the planner's prediction of the same step on this device beside it (--plan).
-part step_1b "$PY" scripts/bench_step.py --json --model llama-1b --plan
+# Llama-3.2-1B's shapes in bfloat16, an RL-sized step: 16 prompts x 16 samples of 64 + 64
+# tokens, so the one minibatch trains on 32,768 tokens, with the activations' matmul
+# outputs saved and the rest recomputed (remat "dots": no matmul runs twice, so the MFU
+# counts no recomputation; the plan compiled for an H100 puts it at 56 GB, and at 0.31 s of
+# train against 0.49 s saving everything in 4 micro-batches). The step's MFU by phase
+# against the device's peak, and the planner's prediction of the same step beside it.
+part step_1b "$PY" scripts/bench_step.py --json --model llama-1b --batch 16x16 \
+  --prompt-tokens 64 --new-tokens 64 --remat dots --plan
+# The 1B step of the first GPU runs (8 x 8 of 32 + 64 tokens), for comparison with them.
+part step_1b_8x8 "$PY" scripts/bench_step.py --json --model llama-1b --plan
 # The Tinker service on this GPU: one adapter and four, concurrent against in turn.
 part serve "$PY" scripts/bench_serve.py --shapes smollm2-135m --adapters 1,4 --steps 3 \
   --repeats 2 --tokens 128

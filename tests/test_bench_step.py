@@ -15,7 +15,8 @@ def _bench_step():
 
 def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert _bench_step().main(["--quick", "--steps", "1", "--warmup", "1", "--devices", "1",
-                             "--remat", "dots_no_batch", "--plan", "--json"]) == 0
+                             "--remat", "dots_no_batch", "--micro-batches", "2", "--plan",
+                             "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["step_s"] > 0 and set(out["phase_s"]) == PHASES
   assert out["phase_s"]["rollout"] > 0 and out["phase_s"]["train"] > 0
@@ -38,7 +39,8 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
   assert out["program_executions_per_step"] == sum(p["calls"] for p in out["programs"])
   assert out["host_round_trips_per_step"] >= 1 and out["compilations_in_timed_steps"] == 0
   assert out["devices"] == 1 and out["workload"]["rollouts"] == 4
-  assert out["workload"]["remat"] == "dots_no_batch"
+  assert out["workload"]["remat"] == "dots_no_batch" and out["workload"]["micro_batches"] == 2
+  assert out["workload"]["train_tokens"] == 4 * 16
   assert out["peak_flops_per_s"] is None and out["mfu"] is None  # a CPU has no listed peak
   # The planner's prediction for the same workload beside what was measured.
   plan = out["plan"]
