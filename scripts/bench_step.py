@@ -63,8 +63,8 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     peaks, else peaks measured here), beside the medians measured above: predicted_s and
     measured_s per device phase (rollout = prefill + decode, train, sync) and for the
     step, predicted_over_measured, the plan's roofline terms and the chip's peaks they
-    divide by, and host_s, the measured
-    time of the phases the plan does not model (reward, advantage, pack, waiting).
+    divide by, and host_s, the measured time of the phases the plan does not model
+    (reward, advantage, pack, waiting).
 
 On a CPU the absolute figures describe this host only (XLA's CPU matmuls, shared cores);
 the ratios measured in one run (roofline fractions, counts) are what to compare.

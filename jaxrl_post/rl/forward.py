@@ -151,9 +151,9 @@ def head_logprobs(h, lm_head, targets, temperature=1.0,
   if floor is None:
     floor = jnp.full(targets.shape, -jnp.inf, jnp.float32)
   # Whole on every device before the pass: it reads the head one vocabulary block at a
-  # time, and XLA:GPU all-gathered the vocab-sharded head at every block of the forward,
-  # its recompute and the backward (Llama-3.1-8B on 8 x H100: 55% of the train step's
-  # collective bytes). Once per call, its gradient reduced once.
+  # time, and XLA (GPU and TPU alike) all-gathered the vocab-sharded head at every block
+  # of the forward, its recompute and the backward (Llama-3.1-8B on 8 x H100: 55% of the
+  # train step's collective bytes). Once per call, its gradient reduced once.
   lm_head = constrain(lm_head, (None, None))
   run = lambda h1, t1, f1: chunked_logprob(h1, lm_head, t1, temperature, f1, config=chunking)
   if h.shape[0] > 1:
