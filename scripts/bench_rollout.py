@@ -101,14 +101,15 @@ def _cascade_engine(model, group_slots: int, groups: int, decode_steps: int) -> 
   return Engine.from_model(model, config)
 
 
-def _start_groups(engine: Engine, prompts) -> None:
-  """Prefills each prompt once and inserts its K samples into the next K slots (a block)."""
-  sampling = SamplingParams(temperature=1.0, max_tokens=CASCADE_COMPLETION)
+def _start_groups(engine: Engine, prompts, k: int = CASCADE_K,
+                  completion: int = CASCADE_COMPLETION) -> None:
+  """Prefills each prompt once and inserts its k samples into the next k slots (a block)."""
+  sampling = SamplingParams(temperature=1.0, max_tokens=completion)
   for g, prompt in enumerate(prompts):
-    prefix = engine.new_prefix(prompt, sampling, seed=g, sample_ids=range(CASCADE_K))
+    prefix = engine.new_prefix(prompt, sampling, seed=g, sample_ids=range(k))
     while not engine.prefill(prefix):
       pass
-    engine.bulk_insert(prefix, list(range(g * CASCADE_K, (g + 1) * CASCADE_K)))
+    engine.bulk_insert(prefix, list(range(g * k, (g + 1) * k)))
 
 
 def cascade_prefix_read_ratio(model) -> dict:
@@ -233,14 +234,9 @@ def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
                         pool=PoolConfig(page_size=page_size,
                                         num_pages=slots * cdiv(max_seq_len, page_size) + 1))
   engine = Engine.from_model(model, config)
-  rng = np.random.default_rng(0)
-  sampling = SamplingParams(temperature=1.0, max_tokens=completion)
   k = group or 1
-  for g, prompt in enumerate(_prompts(rng, [prompt_len] * (slots // k), cfg.vocab_size)):
-    prefix = engine.new_prefix(prompt, sampling, seed=g, sample_ids=range(k))
-    while not engine.prefill(prefix):
-      pass
-    engine.bulk_insert(prefix, list(range(g * k, (g + 1) * k)))
+  prompts = _prompts(np.random.default_rng(0), [prompt_len] * (slots // k), cfg.vocab_size)
+  _start_groups(engine, prompts, k, completion)
   # Step j of a slot feeds the token at position prompt_len + j: it reads that many + 1 keys.
   done = int((engine.generate().tokens[0] >= 0).sum())  # Compiles; not timed.
   timed_steps, seconds, contexts = 0, 0.0, []
@@ -258,8 +254,8 @@ def decode_roofline(cfg: ModelConfig, slots: int = 64, prompt_len: int = 512,
   step_s = seconds / timed_steps
   weight_bytes = cfg.num_params * 2
   # Keys a step reads: each prompt once per block with cascade, every slot its own after.
-  own = float(np.mean(contexts)) - (prompt_len if group else 0)
-  keys = slots * own + (slots // k * prompt_len if group else 0)
+  shared = prompt_len if group else 0
+  keys = slots * (float(np.mean(contexts)) - shared) + slots // k * shared
   kv_bytes = keys * page_bytes(cfg, 1, "bfloat16")
   result = {"decode_slots": slots, "decode_group_slots": group,
             "decode_context": [prompt_len, prompt_len + completion],
