@@ -53,7 +53,7 @@ class Plan:
   flops: dict  # program -> FLOPs per device per step
   hbm_bytes: dict  # program -> memory bytes per device per step
   sync_bytes: int
-  grad_bytes_per_rank: int
+  grad_bytes_per_rank: int  # the train phase's collectives (updates, old-policy forwards)
   rollout_payload_bytes: int
   decode_bytes_vs_floor: float
   decode_kernels_per_step: dict  # total, per_layer, by_kind (plan.hlo_cost.loop_launches)
@@ -249,8 +249,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       hbm_bytes={**{role: _per_step_total(runs[role], "bytes") for role in roles},
                  "sync": p.sync.cost.bytes},
       sync_bytes=int(p.sync_bytes),
-      grad_bytes_per_rank=int(p.train_filled.cost.collective_bytes *
-                              exp.trainer.minibatches),
+      grad_bytes_per_rank=int(_per_step_total(runs["train"], "collective_bytes")),
       rollout_payload_bytes=int(s.samples * exp.rollout.max_new_tokens *
                                 PAYLOAD_BYTES_PER_TOKEN),
       decode_bytes_vs_floor=round(p.decode.cost.bytes / p.decode_steps / floor, 3),
