@@ -57,7 +57,8 @@ def compiled_rates(shapes: str, target_name: str, counts: list[int], datums: int
   """Without the device: each adapter count's step (the batched forward_backward and the
   optimizer program of its adapters) compiled for `target_name` by XLA on this host, its
   FLOPs, bytes and kernels per call, and the seconds the plan's roofline predicts for it
-  (the larger of FLOPs and bytes over the chip's peaks, plus the chip's cost per kernel).
+  (each kernel's larger of FLOPs and bytes over the chip's peaks, summed, plus the chip's
+  cost per kernel).
   Concurrent: A adapters in one step; sequential: A steps of one adapter."""
   from jaxrl_post.plan import targets
 

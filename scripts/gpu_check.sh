@@ -71,9 +71,10 @@ part step "$PY" scripts/bench_step.py --json
 # Llama-3.2-1B's shapes in bfloat16, an RL-sized step: 16 prompts x 16 samples of 64 + 64
 # tokens, so the one minibatch trains on 32,768 tokens, with the activations' matmul
 # outputs saved and the rest recomputed (remat "dots": no matmul runs twice, so the MFU
-# counts no recomputation; the plan compiled for an H100 puts it at 56 GB, and at 0.31 s of
-# train against 0.49 s saving everything in 4 micro-batches). The step's MFU by phase
-# against the device's peak, and the planner's prediction of the same step beside it.
+# counts no recomputation; the plan compiled for an H100 puts it at 57 GB, and at 0.45 s of
+# train against 0.62 s saving everything in 4 micro-batches), its 128-token rows through
+# the Triton attention kernels. The step's MFU by phase against the device's peak, and the
+# planner's prediction of the same step beside it.
 part step_1b "$PY" scripts/bench_step.py --json --model llama-1b --batch 16x16 \
   --prompt-tokens 64 --new-tokens 64 --remat dots --plan
 # The 1B step of the first GPU runs (8 x 8 of 32 + 64 tokens), for comparison with them.

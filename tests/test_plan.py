@@ -1,5 +1,6 @@
 """Memory planning on abstract arrays: compiled figures, FSDP scaling, KV pool sizing."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxrl_post import plan
@@ -284,3 +286,32 @@ def test_a_gpu_step_pays_for_each_decode_kernel_and_a_tpu_step_does_not():
   tpu_terms = report._terms(decode.cost, tpu, calls=2, launches=500 * 32)
   assert tpu_terms["kernels"] == 0
   assert report._seconds(tpu_terms) == pytest.approx(2 * 3.35e9 / tpu.hbm_bytes_per_s)
+
+
+def test_a_programs_kernels_are_timed_one_after_another():
+  """A compute-bound matmul and a memory-bound fusion do not overlap: the program takes
+  each one's own roofline in turn, more than the larger of its total FLOPs and bytes; the
+  bytes decode_as_run takes off the totals come off at the bandwidth; a real program's
+  kernel list sums to its totals, and each launch costs a GPU kernel_s."""
+  from jaxrl_post.plan import report, targets
+  from jaxrl_post.plan.hlo_cost import ProgramCost, program_cost
+
+  gpu = targets.CHIPS["h100"]
+  matmul, fusion = (989e9, 1e6, 4.0), (0.0, 3.35e9, 2.0)  # FLOPs, bytes, launches a call
+  cost = ProgramCost(4 * 989e9, 4e6 + 6.7e9, 0.0, [], (matmul, fusion))
+  terms = report._terms(cost, gpu, calls=3, launches=cost.launches)
+  assert terms["compute"] == pytest.approx(3 * 4e-3)
+  assert terms["memory"] == pytest.approx(3 * (2e-3 + 4e6 / 3.35e12))
+  assert terms["serial"] == pytest.approx(3 * (4e-3 + 2e-3))  # not max(4, 2) ms
+  assert terms["kernels"] == pytest.approx(3 * 6 * 4e-6)
+  assert report._seconds(terms) == pytest.approx(terms["serial"] + terms["kernels"])
+  unread = dataclasses.replace(cost, bytes=cost.bytes - 3.35e8)
+  assert report.serial_seconds(unread, gpu) == pytest.approx(6e-3 - 1e-4)
+  assert report.serial_seconds(ProgramCost(989e9, 3.35e9, 0.0, []), gpu) == pytest.approx(1e-3)
+
+  x = jnp.ones((256, 256), jnp.float32)
+  f = jax.jit(lambda a: jnp.sin(jax.lax.fori_loop(0, 3, lambda i, b: jnp.tanh(b @ a), a)))
+  real = program_cost(f.lower(x).compile().as_text())
+  assert sum(n * fl for fl, _, n in real.launched) == pytest.approx(real.flops)
+  assert sum(n * b for _, b, n in real.launched) == pytest.approx(real.bytes)
+  assert real.flops == pytest.approx(3 * 2 * 256 ** 3) and real.launches >= 4

@@ -257,3 +257,47 @@ def test_the_fsdp_train_step_gathers_the_lm_head_once_per_micro_batch():
   moved = json.loads(out.stdout.strip().splitlines()[-1])
   # 3.1 weights' worth per micro-batch; 8.5 with the head gathered at every block.
   assert moved["collective"] <= 2 * 4 * moved["bf16_weights"], moved
+
+
+_SHORT_ROWS = """
+from jaxrl_post.plan import targets
+target = targets.resolve("h100x1")
+targets.prepare(target)
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxrl_post.models import layers as L
+from jaxrl_post.plan.hlo_cost import kernels_in, program_cost
+mesh = Mesh(np.asarray(targets.target_devices(target).devices[:1]), ("x",))
+spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+rows, length = 32, 128  # Llama-3.2-1B's heads: 32 query and 8 KV heads of 64
+q, kv = spec(jnp.bfloat16, rows, length, 32, 64), spec(jnp.bfloat16, rows, length, 8, 64)
+seg = spec(jnp.int32, rows, length)
+out = {}
+for name, config in (("default", L.TrainingAttention()),
+                     ("plain", L.TrainingAttention(plain_max_len=512))):
+  def loss(q, k, v, seg, pos):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      attend = L.packed_attention_fn(seg, pos, None, config)
+      return jnp.sum(jnp.square(attend(q, k, v).astype(jnp.float32)))
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  text = grads.trace(q, kv, kv, seg, seg).lower().compile().as_text()
+  out[name] = {"bytes": program_cost(text).bytes, "kernels": kernels_in(text)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not targets.has_cuda_compiler(),
+                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
+def test_short_training_rows_take_the_attention_kernels_on_a_gpu():
+  """XLA:GPU writes the plain path's float32 scores and probabilities to HBM several times
+  over in the forward and backward; the Triton kernels keep them on chip, so on a GPU
+  they take rows of every length (a row of one 128-token sequence, bench_step's)."""
+  out = subprocess.run([sys.executable, "-c", _SHORT_ROWS], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  moved = json.loads(out.stdout.strip().splitlines()[-1])
+  assert moved["default"]["kernels"] == ["packed_attention_dkv triton",
+                                         "packed_attention_dq triton",
+                                         "packed_attention_fwd triton"], moved
+  assert moved["plain"]["kernels"] == []
+  assert moved["default"]["bytes"] < moved["plain"]["bytes"] / 5, moved

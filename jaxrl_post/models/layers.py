@@ -141,14 +141,25 @@ class TrainingAttention:
   """How the packed (training) forward attends; static.
 
   Attributes:
-    plain_max_len: rows of at most this many tokens use the plain masked softmax: their
-      [S, S] scores are small, and one fused XLA program beats a tiled loop there.
+    plain_max_len: rows of at most this many tokens use the plain masked softmax; None:
+      512 on TPU and CPU, where their [S, S] scores are small and one fused XLA program
+      beats a tiled loop, and 0 on GPU (the kernels at every length). XLA:GPU writes the
+      plain path's float32 scores and probabilities to HBM several times over in the
+      forward and backward: compiled for an H100, 32,768 tokens in rows of 128 (32 query
+      and 8 KV heads of 64) move 10.9 GB there against the Triton kernels' 1.5 GB, and
+      rows of 16 still 3.4 GB (docs/BENCHMARKS.md).
     kernel: tunables of the packed-attention kernel that longer rows use; its backend
       None picks Triton on GPU, splash attention on TPU and the blocked jnp path on CPU.
   """
 
-  plain_max_len: int = 512
+  plain_max_len: Optional[int] = None
   kernel: PackedAttentionConfig = PackedAttentionConfig()
+
+  def plain_up_to(self) -> int:
+    """plain_max_len for the devices being traced for."""
+    if self.plain_max_len is not None:
+      return self.plain_max_len
+    return 0 if target_platform() == "gpu" else 512
 
 
 # attend(q, k, v) -> out; a kernel path's attend(q, k, v, (cos, sin)) takes them before RoPE.
@@ -172,7 +183,7 @@ def rope_in_attention(cfg: ModelConfig, length: int, config: TrainingAttention) 
   Triton kernels rotate each block as they read it, so the rotated q and k and their
   gradients never pass through HBM (a pass over q and k in each direction, every layer).
   Not on the plain path or another backend, nor where Gemma's query scale follows RoPE."""
-  if length <= config.plain_max_len or cfg.attn_logit_softcapping is not None:
+  if length <= config.plain_up_to() or cfg.attn_logit_softcapping is not None:
     return False
   if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
     return False
@@ -193,7 +204,7 @@ def packed_attention_fn(segment_ids, positions, sliding_window: Optional[int],
   The kernels have no score soft-capping, so a capped model (Gemma 2 style; no Gemma 3
   checkpoint sets it) takes the plain path at every length.
   """
-  if segment_ids.shape[1] <= config.plain_max_len or logit_cap is not None:
+  if segment_ids.shape[1] <= config.plain_up_to() or logit_cap is not None:
     return _plain_packed(segment_ids, positions, sliding_window, logit_cap)
   kernel = _kernel(config)
   fn = functools.partial(packed_attention, config=kernel, sliding_window=sliding_window)

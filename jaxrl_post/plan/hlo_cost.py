@@ -19,6 +19,11 @@ instruction that the device executes:
 and multiplies a while body by its trip count, read from the loop condition's bound
 (`i < N` against a constant: fori_loop and scan) or from XLA's known_trip_count. A loop
 whose bound is not a constant counts once and is listed in `unknown_loops`.
+
+It also keeps each launched op's own FLOPs and bytes (`ProgramCost.launched`): a device
+runs a program's kernels one after another, so a compute-bound matmul and the
+memory-bound fusion after it do not overlap, and the program takes at least the sum of
+each kernel's own roofline (plan.report), not the larger of its total FLOPs' and bytes'.
 """
 
 from __future__ import annotations
@@ -80,12 +85,23 @@ class Instr:
 
 @dataclasses.dataclass
 class ProgramCost:
-  """A program's totals, loops counted, plus what could not be counted exactly."""
+  """A program's totals, loops counted, plus what could not be counted exactly.
+
+  launched: (FLOPs, bytes, launches per call) of each distinct kind of launched op (ops of
+    equal FLOPs and bytes merged); their FLOPs and bytes times launches sum to the totals.
+    Empty where the cost was not read from a program.
+  """
 
   flops: float
   bytes: float
   collective_bytes: float
   unknown_loops: list[str]
+  launched: tuple[tuple[float, float, float], ...] = ()
+
+  @property
+  def launches(self) -> float:
+    """Ops the device launches per call (loops counted by their trip counts)."""
+    return sum(n for _, _, n in self.launched)
 
 
 def shape_bytes(shape: str) -> float:
@@ -438,7 +454,13 @@ def program_cost(hlo_text: str) -> ProgramCost:
   computations, entry = parse(hlo_text)
   walker = _Walker(computations)
   total = walker.computation(entry) if entry else Cost()
-  return ProgramCost(total.flops, total.bytes, total.collective_bytes, walker.unknown_loops)
+  launched: dict[tuple[float, float], float] = {}
+  for _, times, cost in _leaves(computations, entry, walker):
+    key = (cost.flops, cost.bytes)
+    launched[key] = launched.get(key, 0.0) + times
+  return ProgramCost(total.flops, total.bytes, total.collective_bytes,
+                     list(dict.fromkeys(walker.unknown_loops)),
+                     tuple(sorted((f, b, n) for (f, b), n in launched.items())))
 
 
 def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
@@ -447,7 +469,11 @@ def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
   walks it: a while body at its trip count, a conditional's costliest branch. Their costs
   times `times` sum to program_cost's."""
   computations, entry = parse(hlo_text)
-  walker, leaves = _Walker(computations), []
+  return _leaves(computations, entry, _Walker(computations))
+
+
+def _leaves(computations, entry: Optional[str], walker: "_Walker") -> list:
+  leaves = []
 
   def walk(name: str, times: float) -> None:
     for instr in computations.get(name, []):

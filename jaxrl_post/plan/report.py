@@ -2,10 +2,12 @@
 
 Every figure is per device. Times are rooflines: a program takes at least its FLOPs over
 the chip's peak and at least its memory bytes over the HBM bandwidth (plan.hlo_cost counts
-both with loops at their trip counts), and its collective bytes cross the chip-to-chip
-links; the prediction is the larger of the first two plus the third. On a GPU each kernel
-the decode loop launches adds the chip's kernel_s besides (the decode step launches
-hundreds of small ones; the other programs' kernels are large enough to leave out).
+both with loops at their trip counts), and as its kernels run one after another, at least
+the sum of each kernel's own roofline (`serial_seconds`: a train step's compute-bound
+matmuls and memory-bound fusions do not overlap); its collective bytes cross the
+chip-to-chip links. The prediction is the largest of the first three plus the fourth. On a
+GPU each kernel a program launches adds the chip's kernel_s besides (a decode step
+launches hundreds of small ones, a train step thousands).
 Decode is predicted with the KV its attention kernels read over a rollout (each row's
 pages up to its length, `decode_as_run`), not the whole page tables the compiled
 program declares for every step.
@@ -49,7 +51,7 @@ class Plan:
   kv_tokens_needed: int
   attention_backends: dict  # program -> implementation
   predicted_s: dict  # prefill, decode, train, sync, step
-  roofline_s: dict  # role -> {compute, memory, kernels, collective}: predicted_s's terms
+  roofline_s: dict  # role -> {compute, memory, serial, kernels, collective}: predicted_s's terms
   flops: dict  # program -> FLOPs per device per step
   hbm_bytes: dict  # program -> memory bytes per device per step
   sync_bytes: int
@@ -67,16 +69,33 @@ class Plan:
 
 
 def _terms(cost: ProgramCost, chip: Chip, calls: float, launches: float = 0.0) -> dict:
-  """A program's roofline terms over a step: compute, memory, kernel overhead (`launches`
+  """A program's roofline terms over a step: compute, memory, serial (its kernels one
+  after another, each at its own roofline: serial_seconds), kernel overhead (`launches`
   kernels per call) and collective seconds."""
   return {"compute": calls * cost.flops / chip.bf16_flops_per_s,
           "memory": calls * cost.bytes / chip.hbm_bytes_per_s,
+          "serial": calls * serial_seconds(cost, chip),
           "kernels": calls * launches * chip.kernel_s,
           "collective": calls * cost.collective_bytes / chip.link_bytes_per_s}
 
 
+def serial_seconds(cost: ProgramCost, chip: Chip) -> float:
+  """One call's kernels run one after another, each taking the longer of its FLOPs at the
+  peak and its bytes at the bandwidth: at least the larger of the program's compute and
+  memory terms, and more where compute-bound matmuls alternate with memory-bound fusions
+  (a train step). Bytes the totals have and the kernels do not (decode_as_run's unread
+  pages, taken off the totals) count at the bandwidth, as the memory-bound reads they are.
+  Without a kernel list (a cost not read from a program): the larger term."""
+  flops, bw = chip.bf16_flops_per_s, chip.hbm_bytes_per_s
+  if not cost.launched:
+    return max(cost.flops / flops, cost.bytes / bw)
+  serial = sum(n * max(f / flops, b / bw) for f, b, n in cost.launched)
+  return serial + (cost.bytes - sum(n * b for _, b, n in cost.launched)) / bw
+
+
 def _seconds(terms: dict) -> float:
-  return max(terms["compute"], terms["memory"]) + terms["kernels"] + terms["collective"]
+  return (max(terms["compute"], terms["memory"], terms["serial"]) + terms["kernels"] +
+          terms["collective"])
 
 
 def predicted_seconds(cost: ProgramCost, chip: Chip, launches: float = 0.0) -> float:
@@ -187,12 +206,13 @@ def _runs(p: Programs, exp, decode: ProgramCost) -> dict:
   prompt_tokens = r.prompts_per_step * exp.prompts.max_prompt_tokens
   prefills = math.ceil(prompt_tokens / (data_shards * s.prefill_rows * s.prefill_width))
   decodes = math.ceil(s.samples / s.num_slots) * math.ceil(r.max_new_tokens / p.decode_steps)
-  launches = p.decode.launches["total"] * p.decode_steps if p.decode.launches else 0.0
-  train = [(p.train_filled.cost, n, 0.0)]
+  train = [(p.train_filled.cost, n)]
   if p.old_policy is not None:  # Each later minibatch's old policy: a forward first.
-    train.append((p.old_policy.cost, n - 1, 0.0))
-  return {"prefill": [(p.prefill.cost, prefills, 0.0)], "decode": [(decode, decodes, launches)],
-          "train": train, "sync": [(p.sync.cost, 1.0 / exp.sync.every_n_steps, 0.0)]}
+    train.append((p.old_policy.cost, n - 1))
+  runs = {"prefill": [(p.prefill.cost, prefills)], "decode": [(decode, decodes)],
+          "train": train, "sync": [(p.sync.cost, 1.0 / exp.sync.every_n_steps)]}
+  return {role: [(cost, calls, cost.launches) for cost, calls in programs]
+          for role, programs in runs.items()}
 
 
 def _roofline(runs: dict, chip: Chip) -> dict:
