@@ -246,8 +246,14 @@ def _fwd_call(q, k, v, seg, rope, sm_scale, window, cfg, interpret):
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages),
       interpret=interpret,
-      name="packed_attention_fwd",
+      name=_name("packed_attention_fwd", window),
   )(q, k, v, seg, seg, *(rope or ()), *(rope or ()))
+
+
+def _name(kernel: str, window) -> str:
+  """The pallas_call's name, which the compiled program keeps in its op_name: the window
+  too, so the plan can count the FLOPs of a call from its text (plan.hlo_cost)."""
+  return kernel if window is None else f"{kernel}_window{window}"
 
 
 # ----------------------------------------------------------------------------- backward
@@ -366,7 +372,7 @@ def _bwd_call(q, k, v, seg, rope, o, lse, do, sm_scale, window, cfg, interpret):
       out_specs=[kv_block, kv_block],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=interpret, name="packed_attention_dkv",
+      compiler_params=params, interpret=interpret, name=_name("packed_attention_dkv", window),
   )(q, k, v, do, lse, delta, seg, seg, *tables, *tables)
 
   q_block = pl.BlockSpec((None, bq, None, d), lambda i, h, j: (i, j, h, 0))
@@ -384,7 +390,7 @@ def _bwd_call(q, k, v, seg, rope, o, lse, do, sm_scale, window, cfg, interpret):
                 pl.BlockSpec((None, t), lambda i, h, j: (i, 0)), *queries, *row],
       out_specs=q_block,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=params, interpret=interpret, name="packed_attention_dq",
+      compiler_params=params, interpret=interpret, name=_name("packed_attention_dq", window),
   )(q, k, v, do, lse, delta, seg, seg, *tables, *tables)
   return dq, dk, dv
 

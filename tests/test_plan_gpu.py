@@ -273,31 +273,56 @@ rows, length = 32, 128  # Llama-3.2-1B's heads: 32 query and 8 KV heads of 64
 q, kv = spec(jnp.bfloat16, rows, length, 32, 64), spec(jnp.bfloat16, rows, length, 8, 64)
 seg = spec(jnp.int32, rows, length)
 out = {}
-for name, config in (("default", L.TrainingAttention()),
-                     ("plain", L.TrainingAttention(plain_max_len=512))):
+for name, config, window in (("default", L.TrainingAttention(), None),
+                             ("plain", L.TrainingAttention(plain_max_len=512), None),
+                             ("window", L.TrainingAttention(), 16)):
   def loss(q, k, v, seg, pos):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      attend = L.packed_attention_fn(seg, pos, None, config)
+      attend = L.packed_attention_fn(seg, pos, window, config)
       return jnp.sum(jnp.square(attend(q, k, v).astype(jnp.float32)))
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   text = grads.trace(q, kv, kv, seg, seg).lower().compile().as_text()
-  out[name] = {"bytes": program_cost(text).bytes, "kernels": kernels_in(text)}
+  out[name] = {"bytes": program_cost(text).bytes, "kernels": kernels_in(text),
+               "flops": program_cost(text).flops, "flops_32": program_cost(text, 32).flops}
 print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not targets.has_cuda_compiler(),
-                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
-def test_short_training_rows_take_the_attention_kernels_on_a_gpu():
-  """XLA:GPU writes the plain path's float32 scores and probabilities to HBM several times
-  over in the forward and backward; the Triton kernels keep them on chip, so on a GPU
-  they take rows of every length (a row of one 128-token sequence, bench_step's)."""
+@pytest.fixture(scope="module")
+def short_rows() -> dict:
   out = subprocess.run([sys.executable, "-c", _SHORT_ROWS], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
-  moved = json.loads(out.stdout.strip().splitlines()[-1])
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not targets.has_cuda_compiler(),
+                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
+def test_short_training_rows_take_the_attention_kernels_on_a_gpu(short_rows):
+  """XLA:GPU writes the plain path's float32 scores and probabilities to HBM several times
+  over in the forward and backward; the Triton kernels keep them on chip, so on a GPU
+  they take rows of every length (a row of one 128-token sequence, bench_step's)."""
+  moved = short_rows
   assert moved["default"]["kernels"] == ["packed_attention_dkv triton",
                                          "packed_attention_dq triton",
                                          "packed_attention_fwd triton"], moved
   assert moved["plain"]["kernels"] == []
   assert moved["default"]["bytes"] < moved["plain"]["bytes"] / 5, moved
+
+
+@pytest.mark.skipif(not targets.has_cuda_compiler(),
+                    reason="needs the gpu-plan extra (jax's CUDA plugin and ptxas)")
+def test_the_plan_counts_the_flops_of_the_gpus_training_attention_kernels(short_rows):
+  """The Triton calls carry no cost estimate; the plan counts 4, 8 and 6 FLOPs per query,
+  key and head dim in the forward, dK/dV and dQ kernels, over the keys a query sees: its
+  segment's up to it (a row of one sequence, or of sequences of at most 32 tokens), or
+  its window's (the window is in the kernels' names)."""
+  moved = short_rows
+  per_key = (4 + 8 + 6) * 32 * 128 * 32 * 64  # rows x tokens x query heads x head_dim
+  assert moved["default"]["flops"] == pytest.approx(per_key * 129 / 2)
+  assert moved["default"]["flops_32"] == pytest.approx(per_key * 33 / 2)
+  assert moved["window"]["kernels"] == ["packed_attention_dkv_window16 triton",
+                                        "packed_attention_dq_window16 triton",
+                                        "packed_attention_fwd_window16 triton"]
+  assert moved["window"]["flops"] == pytest.approx(per_key * (16 - 16 * 15 / 256))
+  assert moved["window"]["flops_32"] == pytest.approx(per_key * (16 - 16 * 15 / 64))

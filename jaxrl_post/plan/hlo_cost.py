@@ -13,8 +13,9 @@ instruction that the device executes:
 * flops: 2 x output elements x contracted elements of every dot, fused or not;
 * collective bytes: the payload of all-gather, all-reduce, reduce-scatter, all-to-all and
   collective-permute;
-* a Pallas kernel (custom call) by the cost estimate it carries, else its operands and
-  outputs;
+* a Pallas kernel (custom call) by the cost estimate it carries (Mosaic), by its own
+  count from its operands' shapes (the Triton paged and packed attention kernels), else its
+  operands and outputs;
 
 and multiplies a while body by its trip count, read from the loop condition's bound
 (`i < N` against a constant: fori_loop and scan) or from XLA's known_trip_count. A loop
@@ -199,8 +200,10 @@ def parse(text: str) -> tuple[dict[str, list[Instr]], Optional[str]]:
 
 
 class _Walker:
-  def __init__(self, computations: dict[str, list[Instr]]):
+  def __init__(self, computations: dict[str, list[Instr]],
+               segment_tokens: Optional[int] = None):
     self.comps = computations
+    self.segment_tokens = segment_tokens
     self.shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
     self.unknown_loops: list[str] = []
     self._memo: dict[str, Cost] = {}
@@ -347,6 +350,10 @@ class _Walker:
                   bytes=float(fields.get("bytes_accessed", 0)))
     # Triton calls carry none: the kernels' own estimates. The prefill kernel's text names
     # the decode kernel's module too (helpers it shares), so it is matched first.
+    packed = re.search(r"/(packed_attention_(fwd|dkv|dq))(?:_window(\d+))?/pallas_call",
+                       instr.attrs)
+    if packed:
+      return self.packed_attention(instr, packed.group(2), packed.group(3))
     if "paged_prefill_attention" in instr.attrs:
       return self.paged_attention(instr, table=5)
     if "paged_attention_append" in instr.attrs:
@@ -387,6 +394,21 @@ class _Walker:
     kv = 2 * itemsize * rows * hkv * (keys + 1) * d  # read, and the new token written
     return Cost(flops=4.0 * rows * (heads - 2 * hkv) * keys * d,
                 bytes=kv + shape_bytes(qkv) + results + shape_bytes(pages) + prior)
+
+  def packed_attention(self, instr: Instr, kind: str, window: Optional[str]) -> Cost:
+    """kernels.packed_attention's Triton calls, q [B, T, Hq, D] first: 4 FLOPs per query,
+    key and head dim in the forward (scores, then values), 8 for dK/dV (the scores again,
+    dV, dP, dK) and 6 for dQ. The kernels skip key blocks outside a query's segment, so
+    the keys a query sees are those of a segment of `segment_tokens` (the longest
+    sequence the program packs; the whole row if not given) up to it, or its window."""
+    b, t, hq, d = _dims(self.shapes.get(instr.operands[0], ""))
+    length = min(t, self.segment_tokens or t)
+    keys = (length + 1) / 2  # on average over a segment's queries
+    if window is not None and int(window) < length:
+      w = int(window)
+      keys = w - w * (w - 1) / (2 * length)
+    per_key = {"fwd": 4, "dkv": 8, "dq": 6}[kind]
+    return Cost(flops=per_key * b * t * keys * hq * d, bytes=self.io_bytes(instr))
 
   def trip_count(self, instr: Instr, cond: str) -> float:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
@@ -449,10 +471,11 @@ def _attr_list(attrs: str, key: str) -> str:
   return match.group(1) if match else ""
 
 
-def program_cost(hlo_text: str) -> ProgramCost:
-  """The whole program's cost per device (an SPMD program's HLO is one device's)."""
+def program_cost(hlo_text: str, segment_tokens: Optional[int] = None) -> ProgramCost:
+  """The whole program's cost per device (an SPMD program's HLO is one device's);
+  `segment_tokens`: the longest sequence its packed rows hold (_Walker.packed_attention)."""
   computations, entry = parse(hlo_text)
-  walker = _Walker(computations)
+  walker = _Walker(computations, segment_tokens)
   total = walker.computation(entry) if entry else Cost()
   launched: dict[tuple[float, float], float] = {}
   for _, times, cost in _leaves(computations, entry, walker):

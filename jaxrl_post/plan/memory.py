@@ -170,10 +170,12 @@ def _spec(names, shape, mesh: Mesh, rules) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(names, shape, rules, mesh))
 
 
-def compiled_memory(compiled, analyse: bool = False) -> CompiledMemory:
+def compiled_memory(compiled, analyse: bool = False,
+                    segment_tokens: Optional[int] = None) -> CompiledMemory:
   """CompiledMemory of a `jax.stages.Compiled`; with `analyse`, also its loop-counted cost
   and kernels, read from the program's text (a pass over all of it: the run's pool sizing
-  at start-up needs only the memory figures)."""
+  at start-up needs only the memory figures). `segment_tokens`: the longest sequence a
+  training program's packed rows hold, which its attention kernels' FLOPs depend on."""
   m = compiled.memory_analysis()
   text = compiled.as_text() if analyse else None
   return CompiledMemory(argument_bytes=int(m.argument_size_in_bytes),
@@ -181,7 +183,8 @@ def compiled_memory(compiled, analyse: bool = False) -> CompiledMemory:
                         temp_bytes=int(m.temp_size_in_bytes),
                         generated_code_bytes=int(m.generated_code_size_in_bytes),
                         alias_bytes=int(m.alias_size_in_bytes),
-                        flops=_flops(compiled), cost=program_cost(text) if analyse else None,
+                        flops=_flops(compiled),
+                        cost=program_cost(text, segment_tokens) if analyse else None,
                         kernels=kernels_in(text) if analyse else (),
                         launches=loop_launches(text) if analyse else None,
                         sources=tuple(bytes_by_source(text)) if analyse else ())
@@ -379,7 +382,8 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
                       row_tokens: Optional[int] = None, completion_len: int = 512,
                       micro_batches: int = 1, sequences: Optional[int] = None,
                       largest: int = 0, reference_dtype="float32",
-                      analyse: bool = False) -> TrainStepMemory:
+                      analyse: bool = False,
+                      segment_tokens: Optional[int] = None) -> TrainStepMemory:
   """Compiles one optimizer step on abstract inputs and reads its per-device memory.
 
   The step is the trainer's whole minibatch program: the reference forward included, with
@@ -398,6 +402,8 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
     largest: also report this many of the step's largest allocations.
     reference_dtype: the frozen reference's dtype (ReferenceSpec.dtype).
     analyse: also read the step's loop-counted cost and kernels (see compiled_memory).
+    segment_tokens: the longest sequence a row packs (prompt and completion), for the
+      cost of its attention kernels (see compiled_memory); None: a whole row.
   """
   trainer, state, batch = _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens,
                                          completion_len, micro_batches, sequences)
@@ -405,7 +411,7 @@ def train_step_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
   reference = abstract_reference(trainer, mesh, reference_dtype)
   compiled, allocations = compile_with_allocations(
       lower_train_step(trainer, state, batch, reference), largest, mesh_platform(mesh))
-  return TrainStepMemory(compiled=compiled_memory(compiled, analyse),
+  return TrainStepMemory(compiled=compiled_memory(compiled, analyse, segment_tokens),
                          params_bytes=device_bytes(state.params),
                          frozen_bytes=device_bytes(state.frozen),
                          opt_state_bytes=device_bytes(state.opt_state),
@@ -417,12 +423,14 @@ def old_policy_memory(model_cfg: ModelConfig, trainer_cfg: TrainerConfig = Train
                       mesh: Optional[Mesh] = None, rows: int = 1,
                       row_tokens: Optional[int] = None, completion_len: int = 512,
                       micro_batches: int = 1, sequences: Optional[int] = None,
-                      analyse: bool = False) -> CompiledMemory:
+                      analyse: bool = False,
+                      segment_tokens: Optional[int] = None) -> CompiledMemory:
   """Compiles the old-policy forward of one minibatch (arguments as train_step_memory's),
   which a rollout batch of N minibatches runs N - 1 times before its updates."""
   trainer, state, batch = _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens,
                                          completion_len, micro_batches, sequences)
-  return compiled_memory(compile_lowered(lower_old_policy(trainer, state, batch)), analyse)
+  return compiled_memory(compile_lowered(lower_old_policy(trainer, state, batch)), analyse,
+                         segment_tokens)
 
 
 def _abstract_step(model_cfg, trainer_cfg, mesh, rows, row_tokens, completion_len,

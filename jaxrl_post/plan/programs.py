@@ -135,18 +135,20 @@ def compile_programs(exp, devices, largest: int = 5) -> Programs:
                                    completion_len=s.completion_len,
                                    micro_batches=exp.trainer.micro_batches,
                                    sequences=s.sequences, largest=largest,
-                                   reference_dtype=exp.reference.dtype, analyse=True)
+                                   reference_dtype=exp.reference.dtype, analyse=True,
+                                   segment_tokens=s.longest)
   train_filled = train.compiled
   if s.rows_filled != s.rows:
     train_filled = memory.train_step_memory(
         cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
         micro_batches=exp.trainer.micro_batches, sequences=s.sequences,
-        reference_dtype=exp.reference.dtype, analyse=True).compiled
+        reference_dtype=exp.reference.dtype, analyse=True, segment_tokens=s.longest).compiled
   old_policy = None
   if exp.trainer.minibatches > 1:
     old_policy = memory.old_policy_memory(
         cfg, exp.trainer, meshes.trainer, rows=s.rows_filled, completion_len=s.completion_len,
-        micro_batches=exp.trainer.micro_batches, sequences=s.sequences, analyse=True)
+        micro_batches=exp.trainer.micro_batches, sequences=s.sequences, analyse=True,
+        segment_tokens=s.longest)
   kv_dtype = exp.rollout.engine.pool_dtype(cfg)
   wdt = exp.sync.rollout_dtype
   steps = exp.rollout.engine.decode_steps
