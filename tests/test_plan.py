@@ -197,6 +197,10 @@ def test_the_train_phase_counts_the_later_minibatches_old_policy_forward():
   seconds = lambda c, n: report._seconds(report._terms(c, chip, n))
   assert built.predicted_s["train"] == pytest.approx(
       seconds(train, 2) + seconds(forward, 1), abs=5e-5)  # reported to 0.1 ms
+  # The FLOPs at the predicted seconds over the peak: the utilisation the plan expects.
+  assert built.flops_utilisation["train"] == pytest.approx(
+      built.flops["train"] / (seconds(train, 2) + seconds(forward, 1)) / 1e12, rel=1e-3)
+  assert f"{built.flops_utilisation['train']:.0%} of the bf16 peak" in report.text(built)
   one = NS(**{**vars(p), "old_policy": None})  # what a one-minibatch rollout batch runs
   single = NS(**{**vars(exp), "trainer": NS(minibatches=1)})
   runs = report._runs(one, single, p.decode.cost)

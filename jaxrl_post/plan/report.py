@@ -53,6 +53,9 @@ class Plan:
   predicted_s: dict  # prefill, decode, train, sync, step
   roofline_s: dict  # role -> {compute, memory, serial, kernels, collective}: predicted_s's terms
   flops: dict  # program -> FLOPs per device per step
+  # prefill, decode, train, step -> their FLOPs (recomputation included) at the predicted
+  # seconds, over the chip's bf16 peak: the utilisation the plan expects
+  flops_utilisation: dict
   hbm_bytes: dict  # program -> memory bytes per device per step
   sync_bytes: int
   grad_bytes_per_rank: int  # the train phase's collectives (updates, old-policy forwards)
@@ -266,6 +269,7 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       roofline_s={role: {k: round(sum(t[k] for t in terms), 4) for k in terms[0]}
                   for role, terms in per_program.items()},
       flops={role: _per_step_total(runs[role], "flops") for role in roles},
+      flops_utilisation=_utilisation(runs, predicted, chip),
       hbm_bytes={**{role: _per_step_total(runs[role], "bytes") for role in roles},
                  "sync": p.sync.cost.bytes},
       sync_bytes=int(p.sync_bytes),
@@ -278,6 +282,15 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       largest_buffers=[] if fits else [{"bytes": a.bytes, "values": a.values}
                                        for a in train.largest[:5]],
       notes=_notes(p, target, compiled_for))
+
+
+def _utilisation(runs: dict, predicted: dict, chip: Chip) -> dict:
+  """Role (and the step) -> its FLOPs over the predicted seconds at the bf16 peak."""
+  flops = {role: _per_step_total(runs[role], "flops") for role in ("prefill", "decode",
+                                                                   "train")}
+  flops["step"] = sum(flops.values())
+  return {role: round(f / predicted[role] / chip.bf16_flops_per_s, 4) if predicted[role] > 0
+          else 0.0 for role, f in flops.items()}
 
 
 def _per_step(launches, layers: int) -> dict:
@@ -343,6 +356,12 @@ def text(plan: Plan) -> str:
   t = plan.predicted_s
   lines.append(f"predicted step {t['step']:.3f} s = prefill {t['prefill']:.3f} + decode "
                f"{t['decode']:.3f} + train {t['train']:.3f} + sync {t['sync']:.3f}")
+  for role in ("decode", "train"):
+    r = plan.roofline_s[role]
+    lines.append(f"  {role}: compute {r['compute']:.3f} s, memory {r['memory']:.3f} s, kernels "
+                 f"in turn {r['serial']:.3f} s + launches {r['kernels']:.3f} s, collectives "
+                 f"{r['collective']:.3f} s; {plan.flops_utilisation[role]:.0%} of the bf16 "
+                 "peak")
   lines.append(f"wire per step: sync {plan.sync_bytes / GB:.3f} GB, gradient collectives "
                f"{plan.grad_bytes_per_rank / GB:.3f} GB per rank, rollout payload "
                f"{plan.rollout_payload_bytes / 1e6:.2f} MB")
