@@ -319,3 +319,24 @@ def test_a_programs_kernels_are_timed_one_after_another():
   assert sum(n * fl for fl, _, n in real.launched) == pytest.approx(real.flops)
   assert sum(n * b for _, b, n in real.launched) == pytest.approx(real.bytes)
   assert real.flops == pytest.approx(3 * 2 * 256 ** 3) and real.launches >= 4
+
+
+def test_an_asynchronous_collective_hides_behind_the_kernels_scheduled_while_it_runs():
+  """XLA's latency-hiding scheduler runs kernels between a collective's start and its done;
+  its transfer counts only where it outlasts them. Synchronous collectives count whole."""
+  from jaxrl_post.plan import report, targets
+  from jaxrl_post.plan.hlo_cost import ProgramCost
+
+  gpu = targets.CHIPS["h100"]  # 450 GB/s links, 989 TFLOP/s, 3.35 TB/s
+  ms = lambda x: x * 1e-3
+  gather = (0.9e9, 2.0, ((989e9, 1e6, 1.0),))  # 2 ms each, twice, behind 1 ms of matmul
+  hidden = (0.45e9, 1.0, ((0.0, 1.675e9, 2.0),))  # 1 ms behind two 0.5 ms fusions
+  alone = (0.45e9, 1.0, ())  # nothing scheduled while it runs
+  total = 2 * 0.9e9 + 0.45e9 + 0.45e9 + 2.7e9  # and 6 ms of synchronous all-reduce
+  cost = ProgramCost(0.0, 0.0, total, [], (), (gather, hidden, alone))
+  assert report.exposed_collective_seconds(cost, gpu) == pytest.approx(
+      ms(2 * (2 - 1) + 0 + 1 + 6))
+  terms = report._terms(cost, gpu, calls=3)
+  assert terms["collective"] == pytest.approx(3 * ms(9))
+  plain = ProgramCost(0.0, 0.0, total, [])
+  assert report.exposed_collective_seconds(plain, gpu) == pytest.approx(total / 450e9)

@@ -98,6 +98,9 @@ class ProgramCost:
   collective_bytes: float
   unknown_loops: list[str]
   launched: tuple[tuple[float, float, float], ...] = ()
+  # (collective bytes, starts per call, the (FLOPs, bytes, launches) of the kernels the
+  # schedule runs between its start and its done) of each asynchronous collective
+  overlapped: tuple[tuple[float, float, tuple[tuple[float, float, float], ...]], ...] = ()
 
   @property
   def launches(self) -> float:
@@ -483,7 +486,8 @@ def program_cost(hlo_text: str, segment_tokens: Optional[int] = None) -> Program
     launched[key] = launched.get(key, 0.0) + times
   return ProgramCost(total.flops, total.bytes, total.collective_bytes,
                      list(dict.fromkeys(walker.unknown_loops)),
-                     tuple(sorted((f, b, n) for (f, b), n in launched.items())))
+                     tuple(sorted((f, b, n) for (f, b), n in launched.items())),
+                     _async_collectives(computations, entry, walker))
 
 
 def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
@@ -517,6 +521,46 @@ def _leaves(computations, entry: Optional[str], walker: "_Walker") -> list:
   if entry:
     walk(entry, 1.0)
   return leaves
+
+
+def _async_collectives(computations, entry: Optional[str], walker: "_Walker") -> tuple:
+  """ProgramCost.overlapped: each asynchronous collective (an all-gather-start, say) with
+  the kernels the scheduled program runs between it and its done, which its transfer can
+  hide behind. A start whose done is in another computation covers nothing."""
+  found = []
+
+  def walk(name: str, times: float) -> list:  # -> the (cost, times) of the leaves it ran
+    ran, pending = [], {}
+    for instr in computations.get(name, []):
+      op, inner = instr.opcode, []
+      if op == "while":
+        trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
+        inner = (walk(_attr(instr.attrs, "body"), times * trips) +
+                 walk(_attr(instr.attrs, "condition"), times * trips))
+      elif op == "conditional" and _branches(instr):
+        inner = walk(max(_branches(instr), key=lambda b: walker.computation(b).bytes), times)
+      elif op == "call":
+        inner = walk(_attr(instr.attrs, "to_apply"), times)
+      elif op.endswith("-done") and instr.operands and instr.operands[0] in pending:
+        found.append(pending.pop(instr.operands[0]))
+      elif op not in _FREE:
+        cost = walker.instruction(instr)
+        if op in _COLLECTIVES and op.endswith("-start"):
+          pending[instr.name] = (cost.collective_bytes, times, {})
+          continue
+        inner = [] if op in _COLLECTIVES else [(cost, times)]
+      for bytes_, starts, cover in pending.values():
+        for cost, n in inner:
+          key = (cost.flops, cost.bytes)
+          cover[key] = cover.get(key, 0.0) + n / starts
+      ran.extend(inner)
+    found.extend(pending.values())
+    return ran
+
+  if entry:
+    walk(entry, 1.0)
+  return tuple((b, n, tuple((f, by, k) for (f, by), k in cover.items()))
+               for b, n, cover in found)
 
 
 _KERNEL_CALLS = {"tpu_custom_call": "mosaic", "__gpu$xla.gpu.triton": "triton"}

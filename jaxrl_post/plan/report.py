@@ -5,7 +5,9 @@ the chip's peak and at least its memory bytes over the HBM bandwidth (plan.hlo_c
 both with loops at their trip counts), and as its kernels run one after another, at least
 the sum of each kernel's own roofline (`serial_seconds`: a train step's compute-bound
 matmuls and memory-bound fusions do not overlap); its collective bytes cross the
-chip-to-chip links. The prediction is the largest of the first three plus the fourth. On a
+chip-to-chip links, an asynchronous collective's behind the kernels scheduled while it
+runs (`exposed_collective_seconds`). The prediction is the largest of the first three
+plus the fourth. On a
 GPU each kernel a program launches adds the chip's kernel_s besides (a decode step
 launches hundreds of small ones, a train step thousands).
 Decode is predicted with the KV its attention kernels read over a rollout (each row's
@@ -79,7 +81,7 @@ def _terms(cost: ProgramCost, chip: Chip, calls: float, launches: float = 0.0) -
           "memory": calls * cost.bytes / chip.hbm_bytes_per_s,
           "serial": calls * serial_seconds(cost, chip),
           "kernels": calls * launches * chip.kernel_s,
-          "collective": calls * cost.collective_bytes / chip.link_bytes_per_s}
+          "collective": calls * exposed_collective_seconds(cost, chip)}
 
 
 def serial_seconds(cost: ProgramCost, chip: Chip) -> float:
@@ -94,6 +96,20 @@ def serial_seconds(cost: ProgramCost, chip: Chip) -> float:
     return max(cost.flops / flops, cost.bytes / bw)
   serial = sum(n * max(f / flops, b / bw) for f, b, n in cost.launched)
   return serial + (cost.bytes - sum(n * b for _, b, n in cost.launched)) / bw
+
+
+def exposed_collective_seconds(cost: ProgramCost, chip: Chip) -> float:
+  """One call's collective time that its kernels do not hide: an asynchronous collective
+  moves its bytes over the links while the kernels scheduled between its start and its
+  done run (XLA's latency-hiding scheduler places them there: an FSDP step's weight
+  gathers run a layer ahead), so only what outlasts them counts; a synchronous one counts
+  whole."""
+  link, flops, bw = chip.link_bytes_per_s, chip.bf16_flops_per_s, chip.hbm_bytes_per_s
+  exposed = cost.collective_bytes / link
+  for collective_bytes, starts, cover in cost.overlapped:
+    hidden = sum(n * max(f / flops, b / bw) for f, b, n in cover)
+    exposed -= starts * min(collective_bytes / link, hidden)
+  return exposed
 
 
 def _seconds(terms: dict) -> float:
