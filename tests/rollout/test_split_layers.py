@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxrl_post.models.transformer import init_model, params_of
 from jaxrl_post.rollout import Engine, SamplingParams, generate
+from jaxrl_post.rollout import weights
 from jaxrl_post.rollout.layout import RolloutLayout
 from jaxrl_post.rollout.weights import is_split
 from jaxrl_post.sharding import MeshConfig, make_mesh
@@ -50,6 +51,19 @@ def test_split_layers_equal_stacked_on_one_device_and_after_new_weights():
   eng.set_weights(other, 1)
   assert is_split(eng.params)
   _assert_same(_run(eng, prompts), _run(stacked, prompts))
+
+
+def test_new_weights_are_placed_without_building_the_model_again(monkeypatch):
+  """A run's sync hands the engine new weights every step; building the model's abstract
+  template to place them took 6-7 ms of host time each time. The engine keeps it."""
+  eng = H.engine(split_layers=True)
+  other = params_of(init_model(H.CFG, seed=5))
+  eng.set_weights(other, 1)
+  built, real = [], weights.template
+  monkeypatch.setattr(weights, "template", lambda cfg: built.append(cfg) or real(cfg))
+  eng.set_weights(other, 2)  # stacked, split into a copy
+  eng.set_weights(eng.params, 3)  # split already, as a run's sync writes them
+  assert built == [] and is_split(eng.params) and eng.version == 3
 
 
 def test_split_layers_on_a_mesh_equal_one_device():
