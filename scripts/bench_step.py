@@ -63,8 +63,9 @@ Keys (medians over --steps steps after --warmup steps that compile everything):
     peaks, else peaks measured here), beside the medians measured above: predicted_s and
     measured_s per device phase (rollout = prefill + decode, train, sync) and for the
     step, predicted_over_measured, the plan's roofline terms and the chip's peaks they
-    divide by, and host_s, the measured time of the phases the plan does not model
-    (reward, advantage, pack, waiting).
+    divide by, flops_utilisation (the plan's FLOPs at its predicted seconds over the
+    chip's bf16 peak: the MFU it expects, beside `mfu`), and host_s, the measured time of
+    the phases the plan does not model (reward, advantage, pack, waiting).
 
 On a CPU the absolute figures describe this host only (XLA's CPU matmuls, shared cores);
 the ratios measured in one run (roofline fractions, counts) are what to compare.
@@ -472,6 +473,7 @@ def planned_beside_measured(exp: Experiment, out: dict) -> dict:
           "predicted_over_measured": {k: predicted[k] / measured[k] if measured[k] > 0
                                       else None for k in predicted},
           "roofline_s": plan.roofline_s,
+          "flops_utilisation": plan.flops_utilisation,
           "host_s": sum(out["phase_s"][k] for k in ("reward", "advantage", "pack", "waiting"))}
 
 

@@ -51,9 +51,10 @@ def test_quick_run_prints_the_step_phases_flops_and_counts(capsys):
       "rollout", "train", "sync", "step"}
   assert plan["predicted_s"]["train"] > 0 and plan["predicted_over_measured"]["train"] > 0
   assert plan["predicted_s"]["rollout"] == pytest.approx(
-      sum(max(t["compute"], t["memory"]) + t["kernels"] + t["collective"]
+      sum(max(t["compute"], t["memory"], t["serial"]) + t["kernels"] + t["collective"]
           for role, t in plan["roofline_s"].items() if role in ("prefill", "decode")),
       abs=2e-4)  # The plan rounds each figure to 0.1 ms.
+  assert 0 < plan["flops_utilisation"]["train"] <= 1
   assert plan["host_s"] == pytest.approx(sum(out["phase_s"][k] for k in
                                              ("reward", "advantage", "pack", "waiting")))
 
