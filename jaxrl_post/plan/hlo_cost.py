@@ -480,14 +480,11 @@ def program_cost(hlo_text: str, segment_tokens: Optional[int] = None) -> Program
   computations, entry = parse(hlo_text)
   walker = _Walker(computations, segment_tokens)
   total = walker.computation(entry) if entry else Cost()
-  launched: dict[tuple[float, float], float] = {}
-  for _, times, cost in _leaves(computations, entry, walker):
-    key = (cost.flops, cost.bytes)
-    launched[key] = launched.get(key, 0.0) + times
+  leaves, overlapped = _walk_leaves(computations, entry, walker)
   return ProgramCost(total.flops, total.bytes, total.collective_bytes,
                      list(dict.fromkeys(walker.unknown_loops)),
-                     tuple(sorted((f, b, n) for (f, b), n in launched.items())),
-                     _async_collectives(computations, entry, walker))
+                     tuple(sorted(_by_cost((cost, n) for _, n, cost in leaves))),
+                     tuple((b, n, _by_cost(cover)) for b, n, cover in overlapped))
 
 
 def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
@@ -496,40 +493,17 @@ def leaf_costs(hlo_text: str) -> list[tuple[Instr, float, Cost]]:
   walks it: a while body at its trip count, a conditional's costliest branch. Their costs
   times `times` sum to program_cost's."""
   computations, entry = parse(hlo_text)
-  return _leaves(computations, entry, _Walker(computations))
+  return _walk_leaves(computations, entry, _Walker(computations))[0]
 
 
-def _leaves(computations, entry: Optional[str], walker: "_Walker") -> list:
-  leaves = []
-
-  def walk(name: str, times: float) -> None:
-    for instr in computations.get(name, []):
-      op = instr.opcode
-      if op == "while":
-        trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
-        walk(_attr(instr.attrs, "body"), times * trips)
-        walk(_attr(instr.attrs, "condition"), times * trips)
-      elif op == "conditional":
-        branches = _branches(instr)
-        if branches:
-          walk(max(branches, key=lambda b: walker.computation(b).bytes), times)
-      elif op == "call":
-        walk(_attr(instr.attrs, "to_apply"), times)
-      elif op not in _FREE:
-        leaves.append((instr, times, walker.instruction(instr)))
-
-  if entry:
-    walk(entry, 1.0)
-  return leaves
-
-
-def _async_collectives(computations, entry: Optional[str], walker: "_Walker") -> tuple:
-  """ProgramCost.overlapped: each asynchronous collective (an all-gather-start, say) with
+def _walk_leaves(computations, entry: Optional[str], walker: "_Walker") -> tuple[list, list]:
+  """(leaf_costs' list, ProgramCost.overlapped's records with their covers as (cost,
+  launches per start) pairs). An asynchronous collective (an all-gather-start, say) covers
   the kernels the scheduled program runs between it and its done, which its transfer can
-  hide behind. A start whose done is in another computation covers nothing."""
-  found = []
+  hide behind; a start whose done is in another computation covers nothing."""
+  overlapped = []
 
-  def walk(name: str, times: float) -> list:  # -> the (cost, times) of the leaves it ran
+  def walk(name: str, times: float) -> list:  # -> the leaves it ran, in order
     ran, pending = [], {}
     for instr in computations.get(name, []):
       op, inner = instr.opcode, []
@@ -537,30 +511,37 @@ def _async_collectives(computations, entry: Optional[str], walker: "_Walker") ->
         trips = walker.trip_count(instr, _attr(instr.attrs, "condition"))
         inner = (walk(_attr(instr.attrs, "body"), times * trips) +
                  walk(_attr(instr.attrs, "condition"), times * trips))
-      elif op == "conditional" and _branches(instr):
-        inner = walk(max(_branches(instr), key=lambda b: walker.computation(b).bytes), times)
+      elif op == "conditional":
+        branches = _branches(instr)
+        if branches:
+          inner = walk(max(branches, key=lambda b: walker.computation(b).bytes), times)
       elif op == "call":
         inner = walk(_attr(instr.attrs, "to_apply"), times)
       elif op.endswith("-done") and instr.operands and instr.operands[0] in pending:
-        found.append(pending.pop(instr.operands[0]))
+        overlapped.append(pending.pop(instr.operands[0]))
       elif op not in _FREE:
-        cost = walker.instruction(instr)
+        inner = [(instr, times, walker.instruction(instr))]
         if op in _COLLECTIVES and op.endswith("-start"):
-          pending[instr.name] = (cost.collective_bytes, times, {})
+          ran.extend(inner)
+          pending[instr.name] = (inner[0][2].collective_bytes, times, [])
           continue
-        inner = [] if op in _COLLECTIVES else [(cost, times)]
-      for bytes_, starts, cover in pending.values():
-        for cost, n in inner:
-          key = (cost.flops, cost.bytes)
-          cover[key] = cover.get(key, 0.0) + n / starts
+      for _, starts, cover in pending.values():
+        cover.extend((cost, n / starts) for leaf, n, cost in inner
+                     if leaf.opcode not in _COLLECTIVES)
       ran.extend(inner)
-    found.extend(pending.values())
+    overlapped.extend(pending.values())
     return ran
 
-  if entry:
-    walk(entry, 1.0)
-  return tuple((b, n, tuple((f, by, k) for (f, by), k in cover.items()))
-               for b, n, cover in found)
+  return (walk(entry, 1.0) if entry else []), overlapped
+
+
+def _by_cost(pairs) -> tuple[tuple[float, float, float], ...]:
+  """(Cost, launches) pairs merged by equal FLOPs and bytes: ((FLOPs, bytes, launches))."""
+  merged: dict[tuple[float, float], float] = {}
+  for cost, n in pairs:
+    key = (cost.flops, cost.bytes)
+    merged[key] = merged.get(key, 0.0) + n
+  return tuple((f, b, n) for (f, b), n in merged.items())
 
 
 _KERNEL_CALLS = {"tpu_custom_call": "mosaic", "__gpu$xla.gpu.triton": "triton"}

@@ -91,11 +91,16 @@ def serial_seconds(cost: ProgramCost, chip: Chip) -> float:
   (a train step). Bytes the totals have and the kernels do not (decode_as_run's unread
   pages, taken off the totals) count at the bandwidth, as the memory-bound reads they are.
   Without a kernel list (a cost not read from a program): the larger term."""
-  flops, bw = chip.bf16_flops_per_s, chip.hbm_bytes_per_s
   if not cost.launched:
-    return max(cost.flops / flops, cost.bytes / bw)
-  serial = sum(n * max(f / flops, b / bw) for f, b, n in cost.launched)
-  return serial + (cost.bytes - sum(n * b for _, b, n in cost.launched)) / bw
+    return max(cost.flops / chip.bf16_flops_per_s, cost.bytes / chip.hbm_bytes_per_s)
+  unlisted = cost.bytes - sum(n * b for _, b, n in cost.launched)
+  return _kernels_seconds(cost.launched, chip) + unlisted / chip.hbm_bytes_per_s
+
+
+def _kernels_seconds(kernels, chip: Chip) -> float:
+  """(FLOPs, bytes, launches) kernels run one after another, each at its own roofline."""
+  flops, bw = chip.bf16_flops_per_s, chip.hbm_bytes_per_s
+  return sum(n * max(f / flops, b / bw) for f, b, n in kernels)
 
 
 def exposed_collective_seconds(cost: ProgramCost, chip: Chip) -> float:
@@ -104,11 +109,10 @@ def exposed_collective_seconds(cost: ProgramCost, chip: Chip) -> float:
   done run (XLA's latency-hiding scheduler places them there: an FSDP step's weight
   gathers run a layer ahead), so only what outlasts them counts; a synchronous one counts
   whole."""
-  link, flops, bw = chip.link_bytes_per_s, chip.bf16_flops_per_s, chip.hbm_bytes_per_s
+  link = chip.link_bytes_per_s
   exposed = cost.collective_bytes / link
   for collective_bytes, starts, cover in cost.overlapped:
-    hidden = sum(n * max(f / flops, b / bw) for f, b, n in cover)
-    exposed -= starts * min(collective_bytes / link, hidden)
+    exposed -= starts * min(collective_bytes / link, _kernels_seconds(cover, chip))
   return exposed
 
 
@@ -259,9 +263,10 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
   # memory-bound forward do not overlap.
   predicted = {role: sum(map(_seconds, terms)) for role, terms in per_program.items()}
   predicted["step"] = sum(predicted.values())
+  roles = ("prefill", "decode", "train")
+  flops = {role: _per_step_total(runs[role], "flops") for role in roles}
   floor = p.decode_weight_bytes + mem.kv_needed * mem.kv_per_token
   gb = lambda x: round(x / GB, 3)
-  roles = ("prefill", "decode", "train")
   return Plan(
       target=target.name, devices=devices, compiled_for=compiled_for,
       chip=dataclasses.asdict(chip), fits=bool(fits), peak_gb_per_device=gb(peak),
@@ -284,8 +289,8 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       predicted_s={k: round(v, 4) for k, v in predicted.items()},
       roofline_s={role: {k: round(sum(t[k] for t in terms), 4) for k in terms[0]}
                   for role, terms in per_program.items()},
-      flops={role: _per_step_total(runs[role], "flops") for role in roles},
-      flops_utilisation=_utilisation(runs, predicted, chip),
+      flops=flops,
+      flops_utilisation=_utilisation(flops, predicted, chip),
       hbm_bytes={**{role: _per_step_total(runs[role], "bytes") for role in roles},
                  "sync": p.sync.cost.bytes},
       sync_bytes=int(p.sync_bytes),
@@ -300,11 +305,9 @@ def build(programs: Programs, target: Target, chip: Chip, exp, devices: int,
       notes=_notes(p, target, compiled_for))
 
 
-def _utilisation(runs: dict, predicted: dict, chip: Chip) -> dict:
+def _utilisation(flops: dict, predicted: dict, chip: Chip) -> dict:
   """Role (and the step) -> its FLOPs over the predicted seconds at the bf16 peak."""
-  flops = {role: _per_step_total(runs[role], "flops") for role in ("prefill", "decode",
-                                                                   "train")}
-  flops["step"] = sum(flops.values())
+  flops = {**flops, "step": sum(flops.values())}
   return {role: round(f / predicted[role] / chip.bf16_flops_per_s, 4) if predicted[role] > 0
           else 0.0 for role, f in flops.items()}
 
